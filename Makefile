@@ -1,0 +1,28 @@
+PY := .venv/bin/python
+SHELL := /bin/bash
+
+.PHONY: setup test test-kernels test-inprocess test-server demo bench lint checkpoint
+
+setup:
+	@bash scripts/setup.sh >/dev/null
+
+checkpoint: setup
+	@$(PY) -m scripts.make_checkpoint
+
+test: setup
+	@$(PY) -m pytest tests -q
+
+test-kernels: setup
+	@$(PY) -m pytest tests -q -m "not server and not browser" -k kernel
+
+test-server: setup
+	@$(PY) -m pytest tests -q -m "server or browser"
+
+demo: setup
+	@$(PY) -m scripts.demo
+
+bench: setup
+	@for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+
+lint: setup
+	@$(PY) -m ruff check .

@@ -1,0 +1,1 @@
+"""Numerical core: INT8 tensors, quantize/dequantize, matmul and conv dispatch per device. No ComfyUI."""

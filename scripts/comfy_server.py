@@ -1,0 +1,185 @@
+"""Start a real ComfyUI server on 127.0.0.1 and talk to it over its HTTP API and websocket.
+
+Used by the server tests, the demo and the benchmarks. The server runs in its own process group and
+is told to die with its parent (PR_SET_PDEATHSIG), so a killed test run or demo never leaves one behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def comfyui_root() -> Path:
+    env = os.environ.get("COMFYUI_PATH")
+    return Path(env).resolve() if env else REPO_ROOT / ".comfyui" / "ComfyUI"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class ComfyServerError(RuntimeError):
+    pass
+
+
+class ComfyServer:
+    """A ComfyUI `main.py --cpu` process with a small client for /prompt, /history and the websocket."""
+
+    def __init__(self, root: Path | None = None, port: int | None = None, log_path: Path | None = None,
+                 extra_args: list[str] | None = None, env: dict | None = None) -> None:
+        self.root = Path(root) if root else comfyui_root()
+        self.port = port or free_port()
+        self.log_path = log_path or (REPO_ROOT / ".cache" / "logs" / f"comfyui-{self.port}.log")
+        self.extra_args = extra_args or []
+        self.env = env or {}
+        self.client_id = uuid.uuid4().hex
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> ComfyServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+               "--disable-auto-launch", *self.extra_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.process = subprocess.Popen(cmd, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        preexec_fn=_die_with_parent)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise ComfyServerError(f"ComfyUI exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/system_stats", timeout=2).ok:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ComfyServerError(f"ComfyUI did not answer within {timeout} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=15)
+
+    def __enter__(self) -> ComfyServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    # --- HTTP API -------------------------------------------------------------------------------
+    def get(self, path: str, **kwargs) -> requests.Response:
+        return requests.get(f"{self.url}{path}", timeout=kwargs.pop("timeout", 30), **kwargs)
+
+    def object_info(self, node_class: str | None = None) -> dict:
+        return self.get(f"/object_info/{node_class}" if node_class else "/object_info").json()
+
+    def post_prompt(self, prompt: dict) -> requests.Response:
+        return requests.post(f"{self.url}/prompt", json={"prompt": prompt, "client_id": self.client_id}, timeout=60)
+
+    def queue(self, prompt: dict) -> str:
+        response = self.post_prompt(prompt)
+        body = response.json()
+        if response.status_code != 200 or body.get("node_errors"):
+            raise ComfyServerError(f"prompt rejected ({response.status_code}): {json.dumps(body)[:2000]}")
+        return body["prompt_id"]
+
+    def history(self, prompt_id: str) -> dict:
+        return self.get(f"/history/{prompt_id}").json().get(prompt_id, {})
+
+    def wait(self, prompt_id: str, timeout: float = 900.0,
+             on_event: Callable[[dict], None] | None = None) -> dict:
+        """Follow the websocket until `prompt_id` finishes; return its /history entry plus the events seen."""
+        import websocket
+
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=5)
+        events: list[dict] = []
+        deadline = time.time() + timeout
+        try:
+            while time.time() < deadline:
+                entry = self.history(prompt_id)
+                if entry.get("status", {}).get("completed") or entry.get("status", {}).get("status_str") == "error":
+                    break
+                if not self.alive():
+                    raise ComfyServerError(f"ComfyUI died while running {prompt_id}:\n{self.log_tail()}")
+                try:
+                    message = ws.recv()
+                except websocket.WebSocketTimeoutException:
+                    continue
+                if not isinstance(message, str):
+                    continue  # binary preview frames
+                event = json.loads(message)
+                data = event.get("data", {})
+                if data.get("prompt_id") not in (None, prompt_id):
+                    continue
+                events.append(event)
+                if on_event:
+                    on_event(event)
+                if event["type"] in ("execution_success", "execution_error", "execution_interrupted"):
+                    break
+            else:
+                raise ComfyServerError(f"prompt {prompt_id} did not finish within {timeout} s")
+        finally:
+            ws.close()
+        for _ in range(50):  # history is written just after the final event
+            entry = self.history(prompt_id)
+            if entry.get("status", {}).get("completed") is not None:
+                break
+            time.sleep(0.1)
+        return {"history": entry, "events": events}
+
+    def run(self, prompt: dict, timeout: float = 900.0, on_event: Callable[[dict], None] | None = None) -> dict:
+        return self.wait(self.queue(prompt), timeout=timeout, on_event=on_event)
+
+    def output_images(self, history_entry: dict) -> list[Path]:
+        paths = []
+        for output in history_entry.get("outputs", {}).values():
+            for image in output.get("images", []):
+                folder = self.root / image.get("type", "output")
+                paths.append(folder / image.get("subfolder", "") / image["filename"])
+        return paths

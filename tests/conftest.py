@@ -1,0 +1,59 @@
+"""Fixtures shared by the three tiers: kernel units, in-process ComfyUI on tiny models, real servers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = REPO_ROOT.parent / "shared"
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.support.comfy_host import import_comfy, load_pack  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def comfy_root() -> Path:
+    """The real ComfyUI, imported in-process in CPU mode."""
+    return import_comfy()
+
+
+@pytest.fixture(scope="session")
+def pack(comfy_root):
+    """This repository imported as the custom-node package ComfyUI loads."""
+    return load_pack()
+
+
+@pytest.fixture(scope="session")
+def shared_weights() -> Path:
+    path = SHARED / "weights"
+    if not path.is_dir():
+        pytest.skip("../shared/weights is absent")
+    return path
+
+
+@pytest.fixture(scope="session")
+def sd15_checkpoint(comfy_root) -> str:
+    """Name (as CheckpointLoaderSimple lists it) of the full-size random SD1.5 checkpoint, built once."""
+    from scripts.make_checkpoint import DEFAULT_NAME, ensure_checkpoint
+
+    ensure_checkpoint(comfy_root)
+    return DEFAULT_NAME
+
+
+@pytest.fixture(scope="session")
+def server(comfy_root, sd15_checkpoint):
+    """One real ComfyUI server with the pack, on a free 127.0.0.1 port; always stopped at the end."""
+    from scripts.comfy_server import ComfyServer
+    from scripts.setup_links import link_pack
+
+    link_pack(comfy_root)
+    srv = ComfyServer(comfy_root)
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()

@@ -1,0 +1,47 @@
+"""Locate the real ComfyUI host and import it in-process, the way its own main.py would."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACK_MODULE_NAME = "comfyui_int8_accel"
+
+
+def comfyui_path() -> Path:
+    env = os.environ.get("COMFYUI_PATH")
+    path = Path(env) if env else REPO_ROOT / ".comfyui" / "ComfyUI"
+    if not (path / "main.py").is_file():
+        raise RuntimeError(f"no ComfyUI at {path}: run `make setup` (or set COMFYUI_PATH)")
+    return path.resolve()
+
+
+def import_comfy() -> Path:
+    """Put ComfyUI on sys.path and force CPU mode before comfy.model_management is imported."""
+    root = comfyui_path()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    comfy.cli_args.args.disable_all_custom_nodes = True
+    import comfy.model_management  # noqa: F401
+
+    return root
+
+
+def load_pack() -> ModuleType:
+    """Import this repository as the custom-node package ComfyUI would load (relative imports work)."""
+    if PACK_MODULE_NAME in sys.modules:
+        return sys.modules[PACK_MODULE_NAME]
+    spec = importlib.util.spec_from_file_location(
+        PACK_MODULE_NAME, REPO_ROOT / "__init__.py", submodule_search_locations=[str(REPO_ROOT)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACK_MODULE_NAME] = module
+    spec.loader.exec_module(module)
+    return module
