@@ -1,0 +1,118 @@
+"""Quantize/dequantize primitives, the activation quantization schemes, and the error/density metrics.
+
+Schemes shared by every backend (so their outputs agree):
+- weights: symmetric int8 per output channel, `scale = amax_row / qmax`, values in [-qmax, qmax];
+- Linear activations: symmetric per token (row), `scale = amax_row / 127`, values in [-127, 127];
+- Conv2d activations: affine per tensor (uint8 with a zero point), which uses all 8 bits on the mostly
+  non-negative inputs convolutions see after ReLU/SiLU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ACT_QMAX = 127
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_int8_dot_product() -> bool:
+    """True when the CPU multiplies u8 x s8 into int32 without the 16-bit pairwise clipping of `vpmaddubsw`.
+
+    VNNI (AVX512-VNNI / AVX-VNNI) and AMX accumulate directly into int32; plain AVX2/AVX512BW do not.
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "amx_tile"})
+    except OSError:
+        pass
+    # Without /proc/cpuinfo only the AMX capability level guarantees an int8 dot product.
+    return torch.backends.cpu.get_cpu_capability().upper().startswith("AMX")
+
+
+def weight_qmax(device: torch.device | str) -> int:
+    """Largest weight magnitude that cannot saturate the INT8 kernels used on `device`.
+
+    127 on CUDA and on CPUs with VNNI/AMX; 63 elsewhere on x86, where u8 x s8 pairwise sums clip at +-32767
+    unless |w| <= 63 (255 * 63 * 2 < 32767). `INT8_ACCEL_WEIGHT_QMAX` overrides it (for experiments).
+    """
+    override = os.environ.get("INT8_ACCEL_WEIGHT_QMAX")
+    if override:
+        return int(override)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return 127 if cpu_has_int8_dot_product() else 63
+    return 127
+
+
+def _per_row_view(scale: torch.Tensor, ndim: int) -> torch.Tensor:
+    return scale.view(-1, *([1] * (ndim - 1)))
+
+
+def quantize_weight_per_channel(weight: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel quantization of a Linear [N, K] or Conv [Cout, Cin/g, kh, kw] weight.
+
+    Returns (int8 tensor of the same shape, float32 scale [N]); an all-zero row gets scale 1.
+    """
+    if not 1 <= qmax <= 127:
+        raise ValueError(f"qmax must be in [1, 127], got {qmax}")
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().amax(dim=tuple(range(1, w.ndim))) if w.ndim > 1 else w.abs()
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    q = torch.round(w / _per_row_view(scale, w.ndim)).clamp_(-qmax, qmax).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def dequantize_weight(q_weight: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q_weight.to(torch.float32) * _per_row_view(w_scale.to(torch.float32), q_weight.ndim)).to(dtype)
+
+
+def quantize_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token activation quantization: float [M, K] -> (int8 [M, K] in [-127, 127], float32 scale [M]).
+
+    Written as `floor(x * (127 / amax) + 0.5)` so the Triton kernel can reproduce it bit for bit.
+    """
+    x = x2d.to(torch.float32)
+    amax = x.abs().amax(dim=1)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    inv_scale = ACT_QMAX / safe
+    q = torch.floor(x * inv_scale[:, None] + 0.5).clamp_(-ACT_QMAX, ACT_QMAX).to(torch.int8)
+    return q, safe / ACT_QMAX
+
+
+def affine_qparams(x: torch.Tensor) -> tuple[float, int]:
+    """Per-tensor uint8 affine parameters (scale, zero point) covering [min(x, 0), max(x, 0)]."""
+    lo, hi = torch.aminmax(x.detach().to(torch.float32))
+    lo = min(float(lo), 0.0)
+    hi = max(float(hi), 0.0)
+    if hi == lo:
+        return 1.0, 0
+    scale = (hi - lo) / 255.0
+    zero_point = int(min(max(round(-lo / scale), 0), 255))
+    return scale, zero_point
+
+
+def quantize_affine_uint8(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
+    return torch.round(x.to(torch.float32) * (1.0 / scale) + zero_point).clamp_(0, 255).to(torch.uint8)
+
+
+def normalized_mse(y_test: torch.Tensor, y_ref: torch.Tensor) -> float:
+    """mean((y_test - y_ref)^2) / mean(y_ref^2) in float64; 0.0 when both are zero, inf if only y_ref is."""
+    test = y_test.detach().to(torch.float64)
+    ref = y_ref.detach().to(torch.float64)
+    err = torch.mean((test - ref) ** 2).item()
+    power = torch.mean(ref**2).item()
+    if power == 0.0:
+        return 0.0 if err == 0.0 else float("inf")
+    return err / power
+
+
+def compute_density(m: int, k: int, n: int) -> float:
+    """Arithmetic intensity of an [m, k] x [k, n] product: m*k*n / (m*k + k*n + m*n)."""
+    denominator = m * k + k * n + m * n
+    return (m * k * n) / denominator if denominator else 0.0
