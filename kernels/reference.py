@@ -40,7 +40,7 @@ def conv2d_reference(
         dilation,
         groups,
     )
-    return y.to(x.dtype)
+    return y.to(x.dtype, memory_format=torch.contiguous_format)
 
 
 def linear_float(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -61,4 +61,4 @@ def conv2d_float(x, q_weight, w_scale, bias, stride, padding, dilation, groups) 
         dilation,
         groups,
     )
-    return y.to(x.dtype)
+    return y.to(x.dtype, memory_format=torch.contiguous_format)
