@@ -61,6 +61,10 @@ def linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias:
     x2d = x.reshape(-1, x.shape[-1])
     q, row_scale = quantize_rows(x2d, use_triton)
     acc = int_mm_padded(q, _prepared_linear_weight(q_weight), n)
+    if use_triton and triton_available():
+        from . import triton_kernels
+
+        return triton_kernels.rescale(acc, row_scale, w_scale, bias, x.dtype).reshape(*x.shape[:-1], n)
     y = acc.to(torch.float32) * row_scale[:, None] * w_scale.to(torch.float32)[None, :]
     if bias is not None:
         y = y + bias.to(torch.float32)

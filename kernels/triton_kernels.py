@@ -1,11 +1,170 @@
-"""Triton kernels for the CUDA path (guarded: AVAILABLE is False when triton is not importable)."""
+"""Triton kernels for the CUDA path: per-token activation quantizer, rescale epilogue, INT8 implicit-GEMM conv.
+
+Guarded: AVAILABLE is False when triton is not importable, and callers then use the plain-PyTorch fallback.
+With TRITON_INTERPRET=1 in the environment *before this module is imported* the kernels run on CPU tensors
+(that is how the tests check them: no GPU here). INTERPRETED records which mode the kernels were built in.
+"""
 
 from __future__ import annotations
 
-try:
-    import triton  # noqa: F401
-    import triton.language as tl  # noqa: F401
+import torch
 
-    AVAILABLE = False  # kernels not written yet
-except ImportError:
+from .weight_cache import CACHE
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # the package must import without triton
+    triton = None
+    tl = None
     AVAILABLE = False
+
+INTERPRETED = bool(AVAILABLE and triton.knobs.runtime.interpret)
+
+if AVAILABLE:
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Same formula as quant.quantize_rows_symmetric: q = clamp(floor(x * (127 / amax) + 0.5), -127, 127).
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        cols = tl.arange(0, BLOCK_K)
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = row_mask[:, None] & ((k0 + cols) < K)[None, :]
+            v = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        safe = tl.where(amax > 0, amax, 1.0)
+        inv_scale = 127.0 / safe
+        for k0 in range(0, K, BLOCK_K):
+            mask = row_mask[:, None] & ((k0 + cols) < K)[None, :]
+            v = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = tl.floor(v * inv_scale[:, None] + 0.5)
+            q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+            tl.store(q_ptr + rows[:, None] * stride_qm + (k0 + cols)[None, :], q.to(tl.int8), mask=mask)
+        tl.store(scale_ptr + rows, safe / 127.0, mask=row_mask)
+
+    @triton.jit
+    def _rescale_kernel(acc_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_om,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        acc = tl.load(acc_ptr + rows[:, None] * stride_am + cols[None, :], mask=mask, other=0)
+        row_scale = tl.load(row_scale_ptr + rows, mask=rows < M, other=0.0)
+        col_scale = tl.load(col_scale_ptr + cols, mask=cols < N, other=0.0)
+        y = acc.to(tl.float32) * row_scale[:, None] * col_scale[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _conv2d_int8_kernel(
+        x_ptr, w_ptr, col_sum_ptr, w_scale_ptr, bias_ptr, out_ptr,
+        x_zero_point, x_scale,
+        B, C_in, H, W, C_out, H_out, W_out, C_in_g, C_out_g, K,
+        stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+        KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # Implicit GEMM: rows m = (b, oh, ow), columns n = output channel in the group, reduction k = (c, i, j).
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        group = tl.program_id(2)
+        M = B * H_out * W_out
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < C_out_g
+        b_idx = offs_m // (H_out * W_out)
+        pix = offs_m % (H_out * W_out)
+        oh = pix // W_out
+        ow = pix % W_out
+        co = group * C_out_g + offs_n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            c = offs_k // (KH * KW)
+            tap = offs_k % (KH * KW)
+            ih = oh[:, None] * stride_h - pad_h + (tap // KW)[None, :] * dil_h
+            iw = ow[:, None] * stride_w - pad_w + (tap % KW)[None, :] * dil_w
+            inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            load_mask = m_mask[:, None] & k_mask[None, :] & inside
+            x_offsets = ((b_idx[:, None] * C_in + group * C_in_g + c[None, :]) * H + ih) * W + iw
+            a = tl.load(x_ptr + x_offsets, mask=load_mask, other=0)
+            # Zero padding is the quantized value of 0.0, i.e. the zero point; its contribution is removed
+            # below with the full weight column sums, so the int32 result is exact.
+            a = tl.where(inside, a, x_zero_point).to(tl.int8)
+            w = tl.load(w_ptr + co[None, :] * K + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
+            acc += tl.dot(a, w, out_dtype=tl.int32)
+        col_sum = tl.load(col_sum_ptr + co, mask=n_mask, other=0)
+        acc = acc - x_zero_point * col_sum[None, :]
+        w_scale = tl.load(w_scale_ptr + co, mask=n_mask, other=0.0)
+        y = acc.to(tl.float32) * (x_scale * w_scale)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + co, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_offsets = (b_idx[:, None] * C_out + co[None, :]) * (H_out * W_out) + pix[:, None]
+        tl.store(out_ptr + out_offsets, y, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _require() -> None:
+    if not AVAILABLE:
+        raise RuntimeError("triton is not importable")
+
+
+def quantize_rows(x2d: torch.Tensor, block_m: int = 64, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8 quantization of a float [M, K] matrix: (int8 [M, K], float32 scale [M])."""
+    _require()
+    x2d = x2d.contiguous()
+    m, k = x2d.shape
+    q = torch.empty((m, k), dtype=torch.int8, device=x2d.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
+    _quantize_rows_kernel[(triton.cdiv(m, block_m),)](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k)
+    return q, scale
+
+
+def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """acc int32 [M, N] -> acc * row_scale[:, None] * col_scale[None, :] (+ bias), in `dtype`, one pass."""
+    _require()
+    m, n = acc.shape
+    out = torch.empty((m, n), dtype=dtype, device=acc.device)
+    col_scale = col_scale.to(torch.float32).contiguous()
+    bias_arg = col_scale if bias is None else bias.contiguous()
+    grid = (triton.cdiv(m, 128), triton.cdiv(n, 128))
+    _rescale_kernel[grid](acc, row_scale.contiguous(), col_scale, bias_arg, out, m, n, acc.stride(0), out.stride(0),
+                          HAS_BIAS=bias is not None, BLOCK_M=128, BLOCK_N=128)  # fmt: skip
+    return out
+
+
+def conv2d_int8(x_q, x_zero_point, x_scale, q_weight, w_scale, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    """Implicit-GEMM INT8 conv on signed int8 NCHW activations with a zero point; fp32 NCHW output."""
+    _require()
+    x_q = x_q.contiguous()
+    b, c_in, h, w = x_q.shape
+    c_out, c_in_g, kh, kw = q_weight.shape
+    h_out = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    w_out = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    k = c_in_g * kh * kw
+
+    def build():
+        w2d = q_weight.reshape(c_out, k).contiguous()
+        return w2d, w2d.to(torch.int32).sum(dim=1)
+
+    w2d, col_sum = CACHE.get(q_weight, None, "triton-conv", build)
+    out = torch.empty((b, c_out, h_out, w_out), dtype=torch.float32, device=x_q.device)
+    c_out_g = c_out // groups
+    block_m, block_k = 128, 64
+    block_n = 128 if c_out_g > 64 else max(16, triton.next_power_of_2(c_out_g))
+    grid = (triton.cdiv(b * h_out * w_out, block_m), triton.cdiv(c_out_g, block_n), groups)
+    w_scale32 = w_scale.to(torch.float32).contiguous()
+    _conv2d_int8_kernel[grid](
+        x_q, w2d, col_sum, w_scale32, w_scale32 if bias is None else bias.contiguous(), out,
+        int(x_zero_point), float(x_scale),
+        b, c_in, h, w, c_out, h_out, w_out, c_in_g, c_out_g, k,
+        stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
+        KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
