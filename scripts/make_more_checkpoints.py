@@ -1,0 +1,175 @@
+"""Random-weight SDXL and SD3 checkpoints that CheckpointLoaderSimple detects as SDXL / SD3.
+
+Like scripts/make_checkpoint.py (SD1.5), each file is built from ComfyUI's own classes, so its keys are
+what ComfyUI's detector expects, and written once as fp16 safetensors into models/checkpoints/:
+
+- SDXL: the real SDXL base architecture (UNet 2.6 B parameters, CLIP-L + CLIP-G, KL VAE), about 6.9 GB.
+  ComfyUI only recognises SDXL by its exact block layout, so it cannot be made smaller. On this 2-core CPU
+  it is too heavy for tests (19.5 GB peak RSS in fp32, 30-47 s per batch-2 UNet call at 256x256).
+- SDXL-Vega: Segmind Vega's layout (an SDXL distillation with fewer transformer blocks, UNet 0.75 B
+  parameters), which ComfyUI detects as its Segmind_Vega class: an SDXL subclass with SDXL's model class,
+  conditioning, CLIP-L + CLIP-G and VAE. This is what the shipped SDXL workflow and the tests use.
+- SD3: an MMDiT with SD3-medium's layout but depth 8 (ComfyUI derives the width from the depth: 512)
+  instead of 24, CLIP-L + CLIP-G and no T5 (a real SD3 checkpoint may omit T5 too), 16-channel VAE.
+
+Usage: python -m scripts.make_more_checkpoints [sdxl] [sdxl_vega] [sd3]   (default: sdxl_vega sd3)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SDXL_NAME = "int8accel_random_sdxl.safetensors"
+SDXL_VEGA_NAME = "int8accel_random_sdxl_vega.safetensors"
+SD3_NAME = "int8accel_random_sd3.safetensors"
+SD3_DEPTH = 8
+
+# The SDXL base UNet as ComfyUI's model detection describes it.
+SDXL_UNET = {
+    "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True, "legacy": False,
+    "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4, "model_channels": 320,
+    "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10], "channel_mult": [1, 2, 4],
+    "transformer_depth_middle": 10, "use_linear_in_transformer": True, "context_dim": 2048, "num_head_channels": 64,
+    "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10], "use_temporal_attention": False,
+    "use_temporal_resblock": False,
+}
+# Segmind Vega: SDXL with 1/1/2 transformer blocks per level and none in the middle block.
+SDXL_VEGA_UNET = dict(SDXL_UNET, transformer_depth=[0, 0, 1, 1, 2, 2], transformer_depth_middle=-1,
+                      transformer_depth_output=[0, 0, 0, 1, 1, 1, 2, 2, 2])
+SD_VAE = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+          "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+SD3_MMDIT = {
+    "in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": SD3_DEPTH, "adm_in_channels": 2048,
+    "pos_embed_max_size": 192, "num_patches": 192 * 192, "pos_embed_scaling_factor": None,
+    "context_embedder_config": {"target": "torch.nn.Linear",
+                                "params": {"in_features": 4096, "out_features": 64 * SD3_DEPTH}},
+}
+
+
+def _empty_like_meta(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in module.state_dict().items()}
+
+
+def _prefixed(prefix: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"{prefix}{k}": v for k, v in state.items()}
+
+
+def build_sdxl_state_dict(seed: int = 0, unet_config: dict | None = None) -> dict[str, torch.Tensor]:
+    import comfy.ldm.models.autoencoder
+    import comfy.ops
+    import comfy.sdxl_clip
+    import comfy.supported_models
+    from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    from scripts.make_checkpoint import _randomize
+
+    gen = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    with torch.device("meta"):
+        unet = UNetModel(**(unet_config or SDXL_UNET), operations=comfy.ops.disable_weight_init)
+    sd.update(_prefixed("model.diffusion_model.", _randomize(_empty_like_meta(unet), gen)))
+    del unet
+
+    with torch.device("meta"):
+        clip = comfy.sdxl_clip.SDXLClipModel(device="meta", dtype=torch.float16)
+    clip_sd = _randomize(_empty_like_meta(clip), gen)
+    del clip
+    sd.update(comfy.supported_models.SDXL(SDXL_UNET).process_clip_state_dict_for_saving(clip_sd))
+
+    with torch.device("meta"):
+        vae = comfy.ldm.models.autoencoder.AutoencoderKL(ddconfig=SD_VAE, embed_dim=4)
+    sd.update(_prefixed("first_stage_model.", _randomize(_empty_like_meta(vae), gen)))
+    return sd
+
+
+def build_sd3_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    import comfy.ldm.models.autoencoder
+    import comfy.ops
+    import comfy.text_encoders.sd3_clip
+    from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
+
+    from scripts.make_checkpoint import _randomize
+
+    gen = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    with torch.device("meta"):
+        mmdit = MMDiT(**SD3_MMDIT, operations=comfy.ops.disable_weight_init, device="meta")
+    sd.update(_prefixed("model.diffusion_model.", _randomize(_empty_like_meta(mmdit), gen)))
+    del mmdit
+
+    with torch.device("meta"):
+        clip = comfy.text_encoders.sd3_clip.SD3ClipModel(clip_l=True, clip_g=True, t5=False, device="meta",
+                                                         dtype=torch.float16)
+    clip_sd = _randomize(_empty_like_meta(clip), gen)
+    del clip
+    clip_sd.pop("clip_l.transformer.text_model.embeddings.position_ids", None)
+    clip_sd.pop("clip_g.transformer.text_model.embeddings.position_ids", None)
+    sd.update(_prefixed("text_encoders.", clip_sd))
+
+    vae_config = dict(SD_VAE, z_channels=16)
+    with torch.device("meta"):  # SD3's VAE: 16 latent channels, no quant convs
+        vae = comfy.ldm.models.autoencoder.AutoencodingEngine(
+            regularizer_config={"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"},
+            encoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": vae_config},
+            decoder_config={"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": vae_config})
+    sd.update(_prefixed("first_stage_model.", _randomize(_empty_like_meta(vae), gen)))
+    return sd
+
+
+def _ensure(comfy_root: Path, name: str, builder, what: str, seed: int) -> Path:
+    from safetensors.torch import save_file
+
+    target = Path(comfy_root) / "models" / "checkpoints" / name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    print(f"[make_more_checkpoints] building random {what} checkpoint {target}", file=sys.stderr)
+    state = builder(seed)
+    partial = target.with_suffix(".partial")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(partial),
+              metadata={"comment": f"random weights, {what} architecture, made by comfyui-int8-accel"})
+    del state
+    partial.rename(target)
+    print(f"[make_more_checkpoints] {what} done in {time.time() - start:.0f} s", file=sys.stderr)
+    return target
+
+
+def ensure_sdxl_checkpoint(comfy_root: Path, name: str = SDXL_NAME, seed: int = 0) -> Path:
+    """Path of the random SDXL checkpoint in ComfyUI's models/checkpoints, built once (about 7 GB)."""
+    return _ensure(comfy_root, name, build_sdxl_state_dict, "SDXL", seed)
+
+
+def ensure_sdxl_vega_checkpoint(comfy_root: Path, name: str = SDXL_VEGA_NAME, seed: int = 0) -> Path:
+    """Path of the random Segmind-Vega-layout (SDXL family) checkpoint, built once (about 3.1 GB)."""
+    return _ensure(comfy_root, name, lambda s: build_sdxl_state_dict(s, SDXL_VEGA_UNET), "SDXL (Segmind Vega)", seed)
+
+
+def ensure_sd3_checkpoint(comfy_root: Path, name: str = SD3_NAME, seed: int = 0) -> Path:
+    """Path of the random small-depth SD3 checkpoint in ComfyUI's models/checkpoints, built once."""
+    return _ensure(comfy_root, name, build_sd3_state_dict, "SD3", seed)
+
+
+ENSURE = {"sdxl": ensure_sdxl_checkpoint, "sdxl_vega": ensure_sdxl_vega_checkpoint, "sd3": ensure_sd3_checkpoint}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kinds", nargs="*", default=["sdxl_vega", "sd3"], choices=list(ENSURE))
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.support.comfy_host import import_comfy
+
+    root = import_comfy()
+    for kind in args.kinds:
+        print(ENSURE[kind](root))
+
+
+if __name__ == "__main__":
+    main()

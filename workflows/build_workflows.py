@@ -1,0 +1,310 @@
+"""Write the shipped example workflows: UI graphs (workflows/*.json) and their API prompts (workflows/api/).
+
+Each workflow is described once below; this script lays it out as the ComfyUI page's graph format
+(version 0.4, what "Save" writes and what a user drags in) and as the API prompt that POST /prompt takes.
+tests/test_workflows.py checks the two forms against each other with the server's own /object_info, and
+tests/test_browser.py checks that the page turns each graph into exactly the shipped API prompt.
+
+Run after editing: .venv/bin/python workflows/build_workflows.py
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SD15 = "int8accel_random_sd15.safetensors"
+SDXL = "int8accel_random_sdxl.safetensors"
+SD3 = "int8accel_random_sd3.safetensors"
+
+# Socket (linked) inputs and outputs of the node types used, in INPUT_TYPES / RETURN_TYPES order.
+SOCKETS: dict[str, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {
+    "CheckpointLoaderSimple": ([], [("MODEL", "MODEL"), ("CLIP", "CLIP"), ("VAE", "VAE")]),
+    "CLIPTextEncode": ([("clip", "CLIP")], [("CONDITIONING", "CONDITIONING")]),
+    "EmptyLatentImage": ([], [("LATENT", "LATENT")]),
+    "EmptySD3LatentImage": ([], [("LATENT", "LATENT")]),
+    "KSampler": ([("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                  ("latent_image", "LATENT")], [("LATENT", "LATENT")]),
+    "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [("IMAGE", "IMAGE")]),
+    "SaveImage": ([("images", "IMAGE")], []),
+    "ImageStitch": ([("image1", "IMAGE"), ("image2", "IMAGE")], [("IMAGE", "IMAGE")]),
+    "Int8AccelQuantize": ([("model", "MODEL")], [("MODEL", "MODEL"), ("STRING", "STRING")]),
+    "Int8AccelDeepCache": ([("model", "MODEL")], [("MODEL", "MODEL")]),
+    "Int8AccelCompile": ([("model", "MODEL")], [("MODEL", "MODEL")]),
+    "Note": ([], []),
+}
+# Widget names in INPUT_TYPES order (what widgets_values holds, positionally).
+WIDGETS: dict[str, list[str]] = {
+    "CheckpointLoaderSimple": ["ckpt_name"],
+    "CLIPTextEncode": ["text"],
+    "EmptyLatentImage": ["width", "height", "batch_size"],
+    "EmptySD3LatentImage": ["width", "height", "batch_size"],
+    "KSampler": ["seed", "steps", "cfg", "sampler_name", "scheduler", "denoise"],
+    "VAEDecode": [],
+    "SaveImage": ["filename_prefix"],
+    "ImageStitch": ["direction", "match_image_size", "spacing_width", "spacing_color"],
+    "Int8AccelQuantize": ["bits", "quantize_conv", "quantize_linear", "conv_mse_threshold", "linear_mse_threshold",
+                          "compute_density_threshold"],
+    "Int8AccelDeepCache": ["cache_interval", "cache_depth", "start_percent", "end_percent"],
+    "Int8AccelCompile": ["backend", "mode", "dynamic", "fullgraph"],
+    "Note": ["text"],
+}
+VIRTUAL = {"Note"}  # frontend-only nodes: never part of the API prompt
+
+POSITIVE = "a lighthouse on a cliff at sunset, oil painting"
+NEGATIVE = "blurry, low quality"
+
+
+@dataclass
+class Node:
+    id: int
+    type: str
+    widgets: dict
+    pos: tuple[int, int]
+    size: tuple[int, int]
+    title: str | None = None
+    links_in: dict = field(default_factory=dict)  # input name -> (source Node, output slot)
+
+
+class Workflow:
+    def __init__(self, name: str, title: str) -> None:
+        self.name, self.title = name, title
+        self.nodes: list[Node] = []
+        self.groups: list[dict] = []
+
+    def add(self, type_: str, pos: tuple[int, int], size: tuple[int, int] = (315, 100), title: str | None = None,
+            **values) -> Node:
+        inputs = {k: v for k, v in values.items() if isinstance(v, tuple)}
+        widgets = {k: v for k, v in values.items() if not isinstance(v, tuple)}
+        assert list(widgets) == [w for w in WIDGETS[type_] if w in widgets], (type_, list(widgets))
+        assert set(widgets) == set(WIDGETS[type_]), (type_, set(WIDGETS[type_]) ^ set(widgets))
+        node = Node(len(self.nodes) + 1, type_, widgets, pos, size, title, inputs)
+        self.nodes.append(node)
+        return node
+
+    def group(self, title: str, bounding: tuple[int, int, int, int], color: str) -> None:
+        self.groups.append({"id": len(self.groups) + 1, "title": title, "bounding": list(bounding), "color": color,
+                            "font_size": 24, "flags": {}})
+
+    # --- the two formats ------------------------------------------------------------------------
+    def ui_graph(self) -> dict:
+        links = []
+        out_links: dict[tuple[int, int], list[int]] = {}
+        in_link: dict[tuple[int, str], int] = {}
+        for node in self.nodes:
+            socket_names = [name for name, _ in SOCKETS[node.type][0]]
+            for input_name, (src, slot) in node.links_in.items():
+                link_id = len(links) + 1
+                link_type = SOCKETS[src.type][1][slot][1]
+                links.append([link_id, src.id, slot, node.id, socket_names.index(input_name), link_type])
+                out_links.setdefault((src.id, slot), []).append(link_id)
+                in_link[(node.id, input_name)] = link_id
+        ui_nodes = []
+        for order, node in enumerate(self.nodes):
+            widget_values = []
+            for widget in WIDGETS[node.type]:
+                widget_values.append(node.widgets[widget])
+                if node.type == "KSampler" and widget == "seed":
+                    widget_values.append("fixed")  # control_after_generate: keep the seed reproducible
+            entry = {
+                "id": node.id, "type": node.type, "pos": list(node.pos), "size": list(node.size), "flags": {},
+                "order": order, "mode": 0,
+                "inputs": [{"name": name, "type": type_, "link": in_link.get((node.id, name))}
+                           for name, type_ in SOCKETS[node.type][0]],
+                "outputs": [{"name": name, "type": type_, "links": out_links.get((node.id, slot), []),
+                             "slot_index": slot} for slot, (name, type_) in enumerate(SOCKETS[node.type][1])],
+                "properties": {} if node.type in VIRTUAL else {"Node name for S&R": node.type},
+                "widgets_values": widget_values,
+            }
+            if node.title:
+                entry["title"] = node.title
+            if node.type == "Note":
+                entry["color"], entry["bgcolor"] = "#432", "#653"
+            ui_nodes.append(entry)
+        return {
+            "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"comfyui-int8-accel/{self.name}")),
+            "revision": 0,
+            "last_node_id": len(self.nodes),
+            "last_link_id": len(links),
+            "nodes": ui_nodes,
+            "links": links,
+            "groups": self.groups,
+            "config": {},
+            "extra": {"ds": {"scale": 0.75, "offset": [40, 40]}},
+            "version": 0.4,
+        }
+
+    def api_prompt(self) -> dict:
+        prompt = {}
+        for node in self.nodes:
+            if node.type in VIRTUAL:
+                continue
+            inputs = dict(node.widgets)
+            for input_name, (src, slot) in node.links_in.items():
+                inputs[input_name] = [str(src.id), slot]
+            prompt[str(node.id)] = {"inputs": inputs, "class_type": node.type,
+                                    "_meta": {"title": node.title or node.type}}
+        return prompt
+
+
+def _text_to_image(wf: Workflow, ckpt: str, model_chain, width: int, height: int, steps: int, cfg: float,
+                   prefix: str, sd3: bool = False, seed: int = 42, sampler: str = "euler",
+                   scheduler: str = "normal", x0: int = 0) -> None:
+    """Loader -> (model_chain) -> KSampler -> VAEDecode -> SaveImage, with the two prompts and a latent."""
+    loader = wf.add("CheckpointLoaderSimple", (x0, 250), (315, 98), ckpt_name=ckpt)
+    model = model_chain(loader)
+    pos = wf.add("CLIPTextEncode", (x0 + 380, 250), (400, 160), "Positive prompt", text=POSITIVE, clip=(loader, 1))
+    neg = wf.add("CLIPTextEncode", (x0 + 380, 450), (400, 120), "Negative prompt", text=NEGATIVE, clip=(loader, 1))
+    latent = wf.add("EmptySD3LatentImage" if sd3 else "EmptyLatentImage", (x0 + 380, 610), (315, 106),
+                    width=width, height=height, batch_size=1)
+    sampler_node = wf.add("KSampler", (x0 + 840, 250), (315, 262), seed=seed, steps=steps, cfg=cfg,
+                          sampler_name=sampler, scheduler=scheduler, denoise=1.0, model=model, positive=(pos, 0),
+                          negative=(neg, 0), latent_image=(latent, 0))
+    decode = wf.add("VAEDecode", (x0 + 1200, 250), (210, 46), samples=(sampler_node, 0), vae=(loader, 2))
+    wf.add("SaveImage", (x0 + 1200, 340), (300, 330), filename_prefix=prefix, images=(decode, 0))
+
+
+QUANTIZE_DEFAULTS = dict(bits=8, quantize_conv="enable", quantize_linear="enable", conv_mse_threshold=0.1,
+                         linear_mse_threshold=0.1, compute_density_threshold=300)
+
+
+def sd15_int8() -> Workflow:
+    wf = Workflow("sd15_int8_txt2img", "SD1.5 txt2img with INT8")
+    wf.add("Note", (0, 0), (560, 200), "What this shows", text=(
+        "SD1.5 text-to-image through Quantize Model (INT8).\n\n"
+        "The node swaps each Linear / Conv2d layer whose INT8 error stays under its MSE threshold and whose "
+        "work is large enough (compute density) for an INT8 version; the rest stay in float. Its second "
+        "output is a text report of what was quantized. LoRA loaded before or after it keeps working.\n\n"
+        f"Checkpoint: {SD15} is the random-weight test model made by `python -m scripts.make_checkpoint`; "
+        "pick your own SD1.5 checkpoint. 256x256 and 6 steps keep it quick on a CPU: use 512x512 and 20+ steps "
+        "for real pictures."))
+
+    def chain(loader: Node):
+        quant = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_DEFAULTS)
+        return (quant, 0)
+
+    _text_to_image(wf, SD15, chain, 256, 256, 6, 7.0, "int8accel/sd15_int8")
+    return wf
+
+
+def sdxl_int8_deepcache() -> Workflow:
+    wf = Workflow("sdxl_int8_deepcache", "SDXL with INT8 + DeepCache")
+    wf.add("Note", (0, 0), (560, 200), "What this shows", text=(
+        "SDXL text-to-image with two accelerations stacked: Quantize Model (INT8), then DeepCache.\n\n"
+        "DeepCache runs the full UNet only every `cache_interval` steps; in between it reuses the deep "
+        "features of the last full step and recomputes only the outer `cache_depth` blocks. "
+        "start_percent / end_percent limit caching to part of the schedule.\n\n"
+        f"Checkpoint: {SDXL} is the random-weight test model made by `python -m scripts.make_more_checkpoints "
+        "sdxl`; pick your own SDXL checkpoint and use 1024x1024 with 20+ steps for real pictures."))
+
+    def chain(loader: Node):
+        quant = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_DEFAULTS)
+        cache = wf.add("Int8AccelDeepCache", (0, 640), (315, 130), model=(quant, 0), cache_interval=3,
+                       cache_depth=1, start_percent=0.0, end_percent=1.0)
+        return (cache, 0)
+
+    _text_to_image(wf, SDXL, chain, 256, 256, 6, 7.0, "int8accel/sdxl_int8_deepcache", x0=0)
+    return wf
+
+
+def sd3_int8_blockcache() -> Workflow:
+    wf = Workflow("sd3_int8_blockcache", "SD3 (DiT) with INT8 + block cache")
+    wf.add("Note", (0, 0), (560, 200), "What this shows", text=(
+        "A DiT model (SD3's MMDiT) with Quantize Model (INT8) and the DeepCache node, which on a DiT caches "
+        "the output of the transformer blocks: on cached steps only the first `cache_depth` blocks run and "
+        "the rest reuse the residual of the last full step.\n\n"
+        "The checkpoint carries CLIP-L and CLIP-G and no T5, which SD3 allows. "
+        f"{SD3} is the random-weight, reduced-depth test model made by `python -m scripts.make_more_checkpoints "
+        "sd3`; pick your own SD3 checkpoint and use 1024x1024 with 28 steps for real pictures."))
+
+    def chain(loader: Node):
+        quant = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_DEFAULTS)
+        cache = wf.add("Int8AccelDeepCache", (0, 640), (315, 130), model=(quant, 0), cache_interval=3,
+                       cache_depth=1, start_percent=0.0, end_percent=1.0)
+        return (cache, 0)
+
+    _text_to_image(wf, SD3, chain, 256, 256, 6, 4.5, "int8accel/sd3_int8_blockcache", sd3=True,
+                   scheduler="simple")
+    return wf
+
+
+def sd15_full_stack_compile() -> Workflow:
+    wf = Workflow("sd15_full_stack_int8_deepcache_compile", "SD1.5 full stack: INT8 + DeepCache + compile")
+    wf.add("Note", (0, 0), (560, 200), "What this shows", text=(
+        "All three nodes in a row on SD1.5: Quantize Model (INT8) -> DeepCache -> Compile Model.\n\n"
+        "Compile Model wraps the diffusion model in torch.compile at sampling time, so LoRA and the other "
+        "patches still apply; the first run pays the compile (tens of seconds on a CPU, less on a GPU), later "
+        "runs at the same size reuse it. Put Compile last: it compiles what the other nodes built.\n\n"
+        f"Checkpoint: {SD15} is the random-weight test model; pick your own SD1.5 checkpoint."))
+
+    def chain(loader: Node):
+        quant = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_DEFAULTS)
+        cache = wf.add("Int8AccelDeepCache", (0, 640), (315, 130), model=(quant, 0), cache_interval=3,
+                       cache_depth=1, start_percent=0.0, end_percent=1.0)
+        compiled = wf.add("Int8AccelCompile", (0, 810), (315, 130), model=(cache, 0), backend="inductor",
+                          mode="default", dynamic="auto", fullgraph=False)
+        return (compiled, 0)
+
+    _text_to_image(wf, SD15, chain, 256, 256, 4, 7.0, "int8accel/sd15_full_stack_compile")
+    return wf
+
+
+def sd15_compare() -> Workflow:
+    wf = Workflow("sd15_compare_baseline_vs_accelerated",
+                  "SD1.5 side by side: baseline vs INT8 + DeepCache, same seed")
+    wf.add("Note", (0, 0), (560, 200), "What this shows", text=(
+        "The same prompt, seed and sampler twice: the upper KSampler uses the checkpoint's model as it is "
+        "(baseline), the lower one the model after Quantize Model (INT8) and DeepCache. Image Stitch puts "
+        "the two results side by side (baseline left, accelerated right) so you can judge the difference; "
+        "the queue panel shows each run's time.\n\n"
+        f"Checkpoint: {SD15} is the random-weight test model; pick your own SD1.5 checkpoint."))
+    loader = wf.add("CheckpointLoaderSimple", (0, 260), (315, 98), ckpt_name=SD15)
+    quant = wf.add("Int8AccelQuantize", (0, 420), (315, 200), model=(loader, 0), **QUANTIZE_DEFAULTS)
+    cache = wf.add("Int8AccelDeepCache", (0, 660), (315, 130), model=(quant, 0), cache_interval=3, cache_depth=1,
+                   start_percent=0.0, end_percent=1.0)
+    pos = wf.add("CLIPTextEncode", (380, 260), (400, 160), "Positive prompt", text=POSITIVE, clip=(loader, 1))
+    neg = wf.add("CLIPTextEncode", (380, 460), (400, 120), "Negative prompt", text=NEGATIVE, clip=(loader, 1))
+    latent = wf.add("EmptyLatentImage", (380, 620), (315, 106), width=256, height=256, batch_size=1)
+    common = dict(seed=42, steps=6, cfg=7.0, sampler_name="euler", scheduler="normal", denoise=1.0,
+                  positive=(pos, 0), negative=(neg, 0), latent_image=(latent, 0))
+    base = wf.add("KSampler", (860, 40), (315, 262), "KSampler (baseline)", model=(loader, 0), **common)
+    fast = wf.add("KSampler", (860, 480), (315, 262), "KSampler (INT8 + DeepCache)", model=(cache, 0), **common)
+    base_img = wf.add("VAEDecode", (1220, 40), (210, 46), "Decode (baseline)", samples=(base, 0), vae=(loader, 2))
+    fast_img = wf.add("VAEDecode", (1220, 480), (210, 46), "Decode (accelerated)", samples=(fast, 0),
+                      vae=(loader, 2))
+    stitch = wf.add("ImageStitch", (1220, 600), (270, 150), "Side by side", direction="right",
+                    match_image_size=True, spacing_width=8, spacing_color="white", image1=(base_img, 0),
+                    image2=(fast_img, 0))
+    wf.add("SaveImage", (1520, 40), (420, 400), "Baseline | accelerated", filename_prefix="int8accel/compare",
+           images=(stitch, 0))
+    wf.group("Baseline", (840, -40, 620, 380), "#3f789e")
+    wf.group("Accelerated (INT8 + DeepCache)", (840, 400, 620, 380), "#8A8")
+    return wf
+
+
+
+WORKFLOWS = [sd15_int8, sdxl_int8_deepcache, sd3_int8_blockcache, sd15_full_stack_compile, sd15_compare]
+
+
+def build_all() -> dict[str, tuple[dict, dict]]:
+    """name -> (UI graph, API prompt) for every shipped workflow."""
+    out = {}
+    for make in WORKFLOWS:
+        wf = make()
+        out[wf.name] = (wf.ui_graph(), wf.api_prompt())
+    return out
+
+
+def main() -> None:
+    (HERE / "api").mkdir(exist_ok=True)
+    for name, (ui, api) in build_all().items():
+        (HERE / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")
+        (HERE / "api" / f"{name}.json").write_text(json.dumps(api, indent=2) + "\n")
+        print(name)
+
+
+if __name__ == "__main__":
+    main()
