@@ -6,20 +6,17 @@ import torch
 
 
 def _fill_weights(model: torch.nn.Module, seed: int) -> None:
+    """ComfyUI's ops leave weights uninitialised: norms' scales 1, biases 0, the rest N(0, 0.02)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf == "bias" or "norm" in name and param.ndim == 1 and leaf != "weight":
-                param.zero_()
-            elif param.ndim == 1 and ("norm" in name or leaf in ("scale",)):
-                param.fill_(1.0)
-            elif param.ndim == 1:
-                param.zero_()
+            if param.ndim == 1:
+                param.fill_(1.0 if leaf in ("weight", "scale") else 0.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
-        for name, buf in model.named_buffers():
-            if buf.is_floating_point() and torch.isnan(buf).any():
+        for buf in model.buffers():
+            if buf.is_floating_point() and not torch.isfinite(buf).all():
                 buf.zero_()
 
 

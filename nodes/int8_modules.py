@@ -1,0 +1,169 @@
+"""INT8 replacements for ComfyUI's Linear and Conv2d layers.
+
+They keep the state-dict names `weight` (int8, per-output-channel symmetric) and `bias`, derive from
+ComfyUI's cast-weight op base so ModelPatcher treats them like its own layers, and implement
+`convert_weight` / `set_weight`: a LoRA patch is applied to the dequantized weight in fp32 and the result
+is requantized with a fresh per-row scale (a fixed scale would clip rows the LoRA makes larger).
+"""
+
+from __future__ import annotations
+
+import comfy.ops
+import torch
+from torch.nn.modules.utils import _pair
+
+from ..kernels import dequantize_weight, int8_conv2d, int8_linear, quantize_weight_per_channel, weight_qmax
+
+
+def effective_weight_and_bias(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias a float layer computes with right now, LoRA included (also in low-VRAM mode,
+    where ComfyUI keeps the LoRA in `weight_function` and applies it per forward)."""
+    if getattr(module, "comfy_cast_weights", False) or getattr(module, "weight_function", None) \
+            or getattr(module, "bias_function", None):
+        weight, bias = comfy.ops.cast_bias_weight(module, dtype=torch.float32, device=module.weight.device)
+        return weight.detach(), None if bias is None else bias.detach()
+    return module.weight.detach(), None if module.bias is None else module.bias.detach()
+
+
+class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
+    """Shared state: int8 `weight`, float32 `weight_scale` [out], float `bias`, and the compute dtype."""
+
+    def _init_quantized(self, weight: torch.Tensor, bias: torch.Tensor | None, qmax: int) -> None:
+        q_weight, scale = quantize_weight_per_channel(weight.float(), qmax)
+        self.qmax = qmax
+        self.compute_dtype = weight.dtype
+        self._initializing = True
+        self.weight = torch.nn.Parameter(q_weight, requires_grad=False)
+        self.register_buffer("weight_scale", scale)
+        self.base_weight_scale = scale
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._initializing = False
+
+    def __setattr__(self, name: str, value) -> None:
+        # ModelPatcher restores a backed-up weight with setattr; the original int8 tensor belongs with the
+        # original scale, not with the fresh one a LoRA requantization left behind.
+        if name == "weight" and not self.__dict__.get("_initializing", True) and not self.__dict__.get(
+                "_in_set_weight", False):
+            self._buffers["weight_scale"] = self.base_weight_scale.to(self._buffers["weight_scale"].device)
+        super().__setattr__(name, value)
+
+    def _scale_view(self, like: torch.Tensor) -> torch.Tensor:
+        return self.weight_scale.to(like.device, torch.float32).view(-1, *([1] * (like.ndim - 1)))
+
+    def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **kwargs) -> torch.Tensor:
+        """ModelPatcher hands us the int8 weight cast to float: return it in real units."""
+        if inplace:
+            return weight.mul_(self._scale_view(weight))
+        return weight * self._scale_view(weight)
+
+    def set_weight(self, weight: torch.Tensor, inplace_update: bool = False, seed: int | None = None,
+                   return_weight: bool = False, **kwargs):
+        """Requantize a patched float weight. With `return_weight` (low-VRAM patches) return real units."""
+        if return_weight:
+            q_weight, scale = quantize_weight_per_channel(weight.float(), self.qmax)
+            return dequantize_weight(q_weight, scale, weight.dtype)
+        if inplace_update:
+            # The backup of an in-place update is copied back in place, which keeps the scale buffer:
+            # requantize into the base scale so the restore stays consistent (rows may clip).
+            scale = self.base_weight_scale.to(weight.device)
+            view = scale.view(-1, *([1] * (weight.ndim - 1)))
+            q_weight = torch.clamp(torch.round(weight.float() / view), -self.qmax, self.qmax).to(torch.int8)
+            self.weight.data.copy_(q_weight)
+            self._buffers["weight_scale"] = self.base_weight_scale.to(self.weight.device)
+            return None
+        q_weight, scale = quantize_weight_per_channel(weight.float(), self.qmax)
+        self._in_set_weight = True
+        try:
+            self.weight = torch.nn.Parameter(q_weight.to(self.weight.device), requires_grad=False)
+        finally:
+            self._in_set_weight = False
+        self._buffers["weight_scale"] = scale.to(self.weight.device)
+        return None
+
+    def _float_weight_for_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Low-VRAM path: ComfyUI left this layer offloaded with LoRA in weight_function."""
+        weight = self.weight.to(x.device).float()
+        weight = weight * self._scale_view(weight)
+        for fn in self.weight_function:
+            weight = fn(weight)
+        bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
+        for fn in self.bias_function:
+            bias = fn(bias)
+        return weight.to(x.dtype), bias
+
+    def _needs_float_path(self) -> bool:
+        return bool(self.weight_function or self.bias_function)
+
+    def _quantized_args(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self.weight.device != x.device:  # offloaded (comfy_cast_weights): move just for this call
+            return (self.weight.to(x.device), self.weight_scale.to(x.device),
+                    None if self.bias is None else self.bias.to(x.device))
+        return self.weight, self.weight_scale, self.bias
+
+
+class Int8Linear(_Int8Layer):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, qmax: int | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self._init_quantized(weight, bias, qmax or weight_qmax(weight.device))
+
+    @classmethod
+    def from_float(cls, module: torch.nn.Linear, qmax: int | None = None) -> Int8Linear:
+        weight, bias = effective_weight_and_bias(module)
+        layer = cls(weight, bias, qmax)
+        layer.compute_dtype = module.weight.dtype
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._needs_float_path():
+            weight, bias = self._float_weight_for_forward(x)
+            return torch.nn.functional.linear(x, weight, bias)
+        return int8_linear(x, *self._quantized_args(x))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qmax={self.qmax}"
+
+
+class Int8Conv2d(_Int8Layer):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation, groups: int,
+                 qmax: int | None = None) -> None:
+        super().__init__()
+        self.out_channels = weight.shape[0]
+        self.in_channels = weight.shape[1] * groups
+        self.kernel_size = tuple(weight.shape[2:])
+        self.stride, self.padding, self.dilation = _pair(stride), _pair(padding), _pair(dilation)
+        self.groups = groups
+        self._init_quantized(weight, bias, qmax or weight_qmax(weight.device))
+
+    @classmethod
+    def from_float(cls, module: torch.nn.Conv2d, qmax: int | None = None) -> Int8Conv2d:
+        weight, bias = effective_weight_and_bias(module)
+        layer = cls(weight, bias, module.stride, module.padding, module.dilation, module.groups, qmax)
+        layer.compute_dtype = module.weight.dtype
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._needs_float_path():
+            weight, bias = self._float_weight_for_forward(x)
+            return torch.nn.functional.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+        return int8_conv2d(x, *self._quantized_args(x), self.stride, self.padding, self.dilation, self.groups)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, groups={self.groups}, qmax={self.qmax}")
+
+
+def is_quantizable(module: torch.nn.Module) -> str | None:
+    """'linear' / 'conv' when `module` is a leaf layer the INT8 path supports, else None."""
+    if isinstance(module, _Int8Layer):
+        return None
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.device.type == "meta":
+        return None
+    if isinstance(module, torch.nn.Linear):
+        return "linear"
+    if isinstance(module, torch.nn.Conv2d):
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return None
+        return "conv"
+    return None

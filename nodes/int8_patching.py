@@ -1,0 +1,254 @@
+"""The shared INT8 core: turns a ModelPatcher into one whose Linear/Conv2d layers run in INT8 where that
+is accurate and worth it, decided by calibration on the first sampling call's real inputs.
+
+How the layers get in: the clone carries two wrappers. OUTER_SAMPLE fingerprints the weights and LoRA
+patches the run will use. APPLY_MODEL, on the first call for a (fingerprint, settings, latent shape),
+runs one float forward in which every candidate layer also computes its INT8 output on the same input
+and measures its error; the decision is cached in memory and on disk. On every later call the chosen
+INT8 modules are swapped into the diffusion model for the duration of that call only, and the float
+modules are put back in `finally`. ModelPatcher never sees the INT8 modules, so its weight patching and
+backups keep acting on the real float layers: the shared base model cannot be corrupted (DESIGN §3), and
+LoRA before or after the node is honoured because INT8 weights are built from the live patched weights,
+again whenever the weight patches change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import Iterator
+
+import comfy.patcher_extension
+import comfy.utils
+import torch
+
+from ..kernels import compute_density, normalized_mse
+from .int8_calibration import (
+    CalibrationResult,
+    LayerMeasurement,
+    QuantizeSettings,
+    calibration_key,
+    decide,
+    format_report,
+    load_last_report,
+    load_result,
+    model_fingerprint,
+    save_result,
+)
+from .int8_modules import Int8Conv2d, Int8Linear, is_quantizable
+
+log = logging.getLogger("int8_accel")
+WRAPPER_KEY = "int8_accel_quantize"
+
+
+def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
+    return getattr(module, "_orig_mod", module)
+
+
+def find_candidates(diffusion_model: torch.nn.Module) -> dict[str, tuple[str, str]]:
+    """{canonical name: (module path, kind)} for every leaf Linear/Conv2d the INT8 path supports.
+    Canonical names drop torch.compile's `_orig_mod` hops so they match state-dict names."""
+    found = {}
+    for path, module in diffusion_model.named_modules():
+        kind = is_quantizable(module)
+        if kind is not None:
+            found[path.replace("_orig_mod.", "").replace("._orig_mod", "")] = (path, kind)
+    return found
+
+
+@contextlib.contextmanager
+def swapped_modules(root: torch.nn.Module, replacements: dict[str, torch.nn.Module]) -> Iterator[None]:
+    """Put `replacements` (module path -> module) into `root` for the duration of the block."""
+    originals = []
+    try:
+        for path, new in replacements.items():
+            parent_path, _, leaf = path.rpartition(".")
+            parent = root.get_submodule(parent_path) if parent_path else root
+            originals.append((parent, leaf, parent._modules[leaf]))
+            parent._modules[leaf] = new
+        yield
+    finally:
+        for parent, leaf, old in reversed(originals):
+            parent._modules[leaf] = old
+
+
+class Int8Plan:
+    """Per-node state shared by the clone and everything cloned from it."""
+
+    def __init__(self, settings: QuantizeSettings) -> None:
+        self.settings = settings
+        self.results: dict[str, CalibrationResult] = {}
+        self.calibration_runs = 0
+        self.disk_hits = 0
+        self.last_report = ""
+        self.last_result: CalibrationResult | None = None
+        self._run_fingerprint: str | None = None
+        self._fingerprints: dict[tuple, str] = {}
+        self._modules_state: tuple | None = None
+        self._modules: dict[str, torch.nn.Module] = {}
+        self._model_ref: weakref.ref | None = None
+
+    # --- wiring ----------------------------------------------------------------------------------
+    def attach(self, patcher) -> None:
+        patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, self.outer_sample)
+        patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY, self.apply_model)
+
+    def fingerprint(self, patcher) -> str:
+        state = (id(patcher.model), patcher.patches_uuid)
+        if state not in self._fingerprints:
+            dm = unwrap_compiled(patcher.model.diffusion_model)
+            keys = [f"diffusion_model.{name}" for name, _ in dm.named_parameters()]
+            self._fingerprints = {state: model_fingerprint(patcher, keys)}
+        return self._fingerprints[state]
+
+    def node_report(self, patcher, candidates: dict[str, tuple[str, str]]) -> str:
+        cached = load_last_report(self.fingerprint(patcher), self.settings)
+        if cached:
+            return "(from the calibration cache; recalibrated automatically if the latent size differs)\n" + cached
+        kinds = {kind: sum(1 for _, k in candidates.values() if k == kind) for kind in ("linear", "conv")}
+        return (f"INT8 calibration pending: it runs on the first sampling step with the real inputs "
+                f"({kinds['linear']} Linear and {kinds['conv']} Conv2d candidates). The report is logged then, "
+                f"and returned here on the next run with these settings.")
+
+    # --- wrappers ----------------------------------------------------------------------------------
+    def outer_sample(self, executor, *args, **kwargs):
+        guider = executor.class_obj
+        previous = self._run_fingerprint
+        self._run_fingerprint = self.fingerprint(guider.model_patcher)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            self._run_fingerprint = previous
+
+    def apply_model(self, executor, *args, **kwargs):
+        base_model = executor.class_obj
+        x = args[0] if args else kwargs["x"]
+        fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
+        key = calibration_key(fingerprint, self.settings, x.shape[2:], x.dtype)
+        result = self.results.get(key)
+        if result is None:
+            result = load_result(key)
+            if result is not None:
+                self.disk_hits += 1
+                self.results[key] = result
+                self._publish(result, base_model, fingerprint, save=False)
+        if result is None:
+            return self._calibrate(executor, base_model, args, kwargs, key, fingerprint)
+        replacements = self._int8_modules(base_model, result.chosen)
+        with swapped_modules(base_model.diffusion_model, replacements):
+            return executor(*args, **kwargs)
+
+    # --- INT8 modules, rebuilt whenever the live weights change ----------------------------------------
+    def _int8_modules(self, base_model, names: list[str]) -> dict[str, torch.nn.Module]:
+        root = base_model.diffusion_model
+        state = (id(base_model), id(root), getattr(base_model, "current_weight_patches_uuid", None))
+        if state != self._modules_state:
+            self._modules_state, self._modules = state, {}
+        candidates = find_candidates(root)
+        out = {}
+        for name in names:
+            if name not in candidates:
+                continue
+            path, kind = candidates[name]
+            if name not in self._modules:
+                self._modules[name] = self._quantize_layer(root.get_submodule(path), kind)
+            out[path] = self._modules[name]
+        return out
+
+    @staticmethod
+    def _quantize_layer(module: torch.nn.Module, kind: str) -> torch.nn.Module:
+        with torch.inference_mode(False), torch.no_grad():
+            return Int8Linear.from_float(module) if kind == "linear" else Int8Conv2d.from_float(module)
+
+    # --- calibration ---------------------------------------------------------------------------------
+    def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str):
+        start = time.perf_counter()
+        root = base_model.diffusion_model
+        state = (id(base_model), id(root), getattr(base_model, "current_weight_patches_uuid", None))
+        if state != self._modules_state:
+            self._modules_state, self._modules = state, {}
+        candidates = find_candidates(root)
+        measurements: dict[str, LayerMeasurement] = {}
+        progress = comfy.utils.ProgressBar(len(candidates))
+        log.info("int8-accel: calibrating %d layers on the first step (latent %s)", len(candidates),
+                 list(args[0].shape))
+
+        def measure(name: str, kind: str):
+            def hook(module, inputs, output):
+                if name in measurements or not isinstance(output, torch.Tensor):
+                    return
+                x = inputs[0]
+                weight = module.weight
+                if kind == "linear":
+                    k, n = weight.shape[1], weight.shape[0]
+                    m = x.numel() // max(1, k)
+                else:
+                    k = weight.shape[1] * weight.shape[2] * weight.shape[3]
+                    n = weight.shape[0]
+                    m = output.shape[0] * output.shape[2] * output.shape[3]
+                row = LayerMeasurement(name=name, kind=kind, weight_shape=list(weight.shape), m=m, k=k, n=n,
+                                       density=compute_density(m, k, n), error=None)
+                if self.settings.kind_enabled(kind):
+                    layer = self._modules.get(name) or self._quantize_layer(module, kind)
+                    self._modules[name] = layer
+                    row.error = normalized_mse(layer(x), output)
+                measurements[name] = row
+                progress.update(1)
+            return hook
+
+        handles = [root.get_submodule(path).register_forward_hook(measure(name, kind))
+                   for name, (path, kind) in candidates.items()]
+        try:
+            output = executor(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+        layers = [measurements[name] for name in candidates if name in measurements]
+        for layer in layers:
+            layer.decision = decide(layer, self.settings)
+        result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers)
+        chosen = set(result.chosen)
+        self._modules = {name: module for name, module in self._modules.items() if name in chosen}
+        if chosen:
+            # Return the INT8 output, so that the calibrating run gives the same result as every later run.
+            output, result.model_error, result.int8_flop_fraction = self._measure_swapped(
+                executor, base_model, args, kwargs, output, result)
+        result.seconds = time.perf_counter() - start
+        self.calibration_runs += 1
+        self.results[key] = result
+        self._publish(result, base_model, fingerprint, save=True)
+        return output
+
+    def _measure_swapped(self, executor, base_model, args, kwargs, reference: torch.Tensor,
+                         result: CalibrationResult) -> tuple[torch.Tensor, float, float]:
+        """Whole-model output error with the chosen layers in INT8, and their share of the model's FLOPs
+        (FlopCounterMode sees the float matmuls/convs/attention; the INT8 ops are opaque to it)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        replacements = self._int8_modules(base_model, result.chosen)
+        counter = FlopCounterMode(display=False)
+        with swapped_modules(base_model.diffusion_model, replacements), counter:
+            swapped_output = executor(*args, **kwargs)
+        int8_flops = 2 * sum(layer.macs for layer in result.layers if layer.quantized)
+        total = counter.get_total_flops() + int8_flops
+        return swapped_output, normalized_mse(swapped_output, reference), (int8_flops / total if total else 0.0)
+
+    def _publish(self, result: CalibrationResult, base_model, fingerprint: str, save: bool) -> None:
+        root = base_model.diffusion_model
+        candidates = find_candidates(root)
+        weight_bytes = {}
+        for layer in result.layers:
+            if layer.name in candidates:
+                weight = root.get_submodule(candidates[layer.name][0]).weight
+                weight_bytes[layer.name] = weight.numel() * weight.element_size()
+        report = format_report(result, self.settings, weight_bytes)
+        self.last_report, self.last_result = report, result
+        if save:
+            save_result(result, fingerprint, self.settings, report)
+            log.info("int8-accel:\n%s", report)
+        else:
+            log.info("int8-accel: calibration cache hit for latent %s: %d layers in INT8", result.shape,
+                     len(result.chosen))

@@ -1,0 +1,221 @@
+"""The INT8 quantization node on tiny SD1.5, SDXL, Flux and SD3 models, in the real ComfyUI, in-process."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.support.lora import apply_lora, make_lora
+from tests.support.tiny_models import build_tiny_model, sample
+
+KINDS = ["sd15", "sdxl", "flux", "sd3"]
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
+
+
+@pytest.fixture(scope="module")
+def quant(pack):
+    return importlib.import_module("comfyui_int8_accel.nodes.quantize_node")
+
+
+@pytest.fixture(scope="module")
+def modules(pack):
+    return importlib.import_module("comfyui_int8_accel.nodes.int8_modules")
+
+
+def quantize(quant, model, **overrides):
+    params = dict(bits=8, quantize_conv="enable", quantize_linear="enable", conv_mse_threshold=0.1,
+                  linear_mse_threshold=0.1, compute_density_threshold=300)
+    params.update(overrides)
+    return quant.Int8AccelQuantize().quantize(model, **params)
+
+
+def plan_of(model):
+    import comfy.patcher_extension as pe
+
+    return model.wrappers[pe.WrappersMP.APPLY_MODEL]["int8_accel_quantize"][-1].__self__
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_node_declares_the_six_documented_parameters(quant):
+    spec = quant.Int8AccelQuantize.INPUT_TYPES()["required"]
+    assert list(spec) == ["model", "bits", "quantize_conv", "quantize_linear", "conv_mse_threshold",
+                          "linear_mse_threshold", "compute_density_threshold"]
+    assert spec["bits"][0] == "INT" and spec["bits"][1]["default"] == 8
+    assert spec["quantize_conv"][0] == ["enable", "disable"]
+    assert spec["conv_mse_threshold"][1]["default"] == 0.1 and spec["linear_mse_threshold"][1]["max"] == 1.0
+    assert spec["compute_density_threshold"][1]["default"] == 300
+    assert all(options.get("tooltip") for _, options in spec.values())
+    assert quant.Int8AccelQuantize.RETURN_TYPES == ("MODEL", "STRING")
+
+
+def test_bits_other_than_8_get_a_clear_error(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    with pytest.raises(ValueError, match="bits=4 is not supported: only bits=8"):
+        quantize(quant, model, bits=4)
+
+
+def test_threshold_zero_quantizes_nothing_and_output_is_bit_identical(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    before = sample(model, "sd15")
+    out, report = quantize(quant, model, conv_mse_threshold=0.0, linear_mse_threshold=0.0)
+    assert "Nothing to quantize" in report
+    assert torch.equal(sample(out, "sd15"), before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_threshold_one_density_zero_quantizes_every_eligible_layer(comfy_root, quant, modules, kind, monkeypatch):
+    model = build_tiny_model(kind)
+    reference = sample(model, kind, steps=3)
+    out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+
+    called = set()
+    for cls in (modules.Int8Linear, modules.Int8Conv2d):
+        original = cls.forward
+
+        def counting(self, x, _original=original):
+            called.add(id(self))
+            return _original(self, x)
+        monkeypatch.setattr(cls, "forward", counting)
+
+    result = sample(out, kind, steps=3)
+    plan = plan_of(out)
+    layers = plan.last_result.layers
+    assert layers and all(layer.decision == "int8" for layer in layers)
+    assert {id(m) for m in plan._modules.values()} == called  # the report matches what actually ran
+    assert len(called) == len(layers)
+    assert f"{len(layers)}/{len(layers)} layers in INT8" in plan.last_report
+    assert torch.isfinite(result).all()
+    assert 0 < relative_error(result, reference) < 0.1
+    assert not torch.equal(result, reference)
+
+
+def test_disable_leaves_that_kind_untouched(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    out, _ = quantize(quant, model, quantize_conv="disable", conv_mse_threshold=1.0, linear_mse_threshold=1.0,
+                      compute_density_threshold=0)
+    sample(out, "sd15", steps=2)
+    layers = plan_of(out).last_result.layers
+    convs = [layer for layer in layers if layer.kind == "conv"]
+    linears = [layer for layer in layers if layer.kind == "linear"]
+    assert convs and all(layer.decision == "float: kind disabled" for layer in convs)
+    assert linears and all(layer.decision == "int8" for layer in linears)
+
+
+def test_thresholds_bite_per_layer(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    sample(out, "sd15", steps=2)
+    errors = sorted(layer.error for layer in plan_of(out).last_result.layers)
+    middle = (errors[len(errors) // 2 - 1] + errors[len(errors) // 2]) / 2
+    out2, _ = quantize(quant, model, conv_mse_threshold=middle, linear_mse_threshold=middle,
+                       compute_density_threshold=0)
+    sample(out2, "sd15", steps=2)
+    layers = plan_of(out2).last_result.layers
+    for layer in layers:
+        assert (layer.decision == "int8") == (layer.error <= middle), layer
+    assert 0 < len([layer for layer in layers if layer.decision == "int8"]) < len(layers)
+    # Density gate: a threshold above every layer's density keeps all of them in float.
+    out3, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0,
+                       compute_density_threshold=1_000_000)
+    sample(out3, "sd15", steps=2)
+    assert all(layer.decision == "float: density below threshold" for layer in plan_of(out3).last_result.layers)
+
+
+def test_report_rows_and_summary(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    out, pending = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0,
+                            compute_density_threshold=0)
+    assert "calibration pending" in pending
+    sample(out, "sd15", steps=2)
+    report = plan_of(out).last_report
+    assert "norm. MSE" in report and "density" in report
+    assert "% of the model's FLOPs in INT8" in report and "whole-model output norm. MSE" in report
+    first = plan_of(out).last_result.layers[0]
+    assert any(line.startswith(first.name) and "int8" in line for line in report.splitlines())
+    # The node's STRING output gives the cached report on the next run with the same settings.
+    _, again = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    assert first.name in again and "summary:" in again
+
+
+def test_original_model_is_untouched(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    before = sample(model, "sd15")
+    out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    quantized = sample(out, "sd15")
+    assert not torch.equal(quantized, before)
+    assert torch.equal(sample(model, "sd15"), before)
+    assert all(not type(m).__name__.startswith("Int8") for m in model.model.modules())
+
+
+def test_lora_and_int8_sequences_never_leak(comfy_root, quant):
+    base = build_tiny_model("sd15")
+    lora = make_lora(base, layers=8, scale=2.0)
+    with_lora = apply_lora(base, lora)
+    int8 = quantize(quant, base, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)[0]
+    int8_lora = apply_lora(int8, lora)
+
+    def run(model):
+        return sample(model, "sd15", steps=2)
+
+    first = {"base": run(base), "lora": run(with_lora), "int8": run(int8), "int8_lora": run(int8_lora)}
+    assert not torch.equal(first["base"], first["lora"])
+    for sequence in (["lora", "int8", "lora", "int8", "base"], ["int8", "base", "int8", "int8_lora", "base"]):
+        for name in sequence:
+            model = {"base": base, "lora": with_lora, "int8": int8, "int8_lora": int8_lora}[name]
+            assert torch.equal(run(model), first[name]), f"{name} changed in sequence {sequence}"
+
+
+def test_lora_before_or_after_the_node_matches_float_lora(comfy_root, quant):
+    base = build_tiny_model("sd15")
+    lora = make_lora(base, layers=8, scale=2.0)
+    float_lora = sample(apply_lora(base, lora), "sd15", steps=3)
+    float_plain = sample(base, "sd15", steps=3)
+    lora_shift = relative_error(float_lora, float_plain)
+    settings = dict(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    before = sample(quantize(quant, apply_lora(base, lora), **settings)[0], "sd15", steps=3)
+    after = sample(apply_lora(quantize(quant, base, **settings)[0], lora), "sd15", steps=3)
+    for result in (before, after):
+        assert relative_error(result, float_lora) < 0.1 * lora_shift + 0.02
+        assert relative_error(result, float_plain) > 0.5 * lora_shift  # the LoRA took effect
+
+
+def test_calibration_cache_skips_second_run_and_recalibrates_on_change(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    settings = dict(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    out, _ = quantize(quant, model, **settings)
+    first = sample(out, "sd15")
+    plan = plan_of(out)
+    assert plan.calibration_runs == 1
+    assert torch.equal(sample(out, "sd15"), first)
+    assert plan.calibration_runs == 1  # in memory
+
+    fresh, _ = quantize(quant, model, **settings)  # a new node instance: decision read from disk
+    assert torch.equal(sample(fresh, "sd15"), first)
+    assert plan_of(fresh).calibration_runs == 0 and plan_of(fresh).disk_hits == 1
+
+    changed, _ = quantize(quant, model, **{**settings, "linear_mse_threshold": 0.5})
+    sample(changed, "sd15")
+    assert plan_of(changed).calibration_runs == 1
+
+    lora_model = apply_lora(out, make_lora(model))
+    sample(lora_model, "sd15")
+    assert plan.calibration_runs == 2  # a LoRA changes the fingerprint
+
+    sample(out, "sd15", height=96, width=64)
+    assert plan.calibration_runs == 3  # a new latent size
+
+
+def test_model_without_eligible_layers_is_returned_unchanged(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    out, report = quantize(quant, model, quantize_conv="disable", quantize_linear="disable")
+    assert out is model
+    assert "Nothing to quantize" in report
