@@ -80,7 +80,7 @@ def quantize_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     x = x2d.to(torch.float32)
     amax = x.abs().amax(dim=1)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    inv_scale = ACT_QMAX / safe
+    inv_scale = torch.full_like(safe, ACT_QMAX) / safe  # a true division (`127 / t` is 127 * reciprocal(t))
     q = torch.floor(x * inv_scale[:, None] + 0.5).clamp_(-ACT_QMAX, ACT_QMAX).to(torch.int8)
     return q, safe / ACT_QMAX
 
