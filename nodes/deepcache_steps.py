@@ -1,0 +1,273 @@
+"""DeepCache step planning: which sampler evaluation runs the whole network and which reuses cached features.
+
+Everything here is plain Python that runs outside any compiled region (sampler-level wrappers). The per-run
+state is a `DeepCacheRun` created by the OUTER_SAMPLE wrapper and carried to the model through
+`transformer_options[STATE_KEY]`; it is dropped when the sampling run ends, so nothing leaks into the next
+prompt, the next batch or another clone of the model.
+
+Steps are counted from the sampler's sigma schedule and its per-step callback, never from model calls:
+cond and uncond (batched or not) share one evaluation, and the extra evaluations of multi-evaluation
+samplers (heun's corrector, dpm2's midpoint) always run in full.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+STATE_KEY = "int8_accel_deepcache"
+WRAPPER_KEY = "int8_accel_deepcache"
+
+log = logging.getLogger("comfyui_int8_accel.deepcache")
+
+# k-diffusion samplers whose corrector evaluates the model at the *next* schedule sigma right after the
+# step callback, before that next step's own evaluation: the first evaluation there is the intermediate one.
+SECOND_STAGE_AT_NEXT_SIGMA = frozenset({"sample_heun", "sample_heunpp2"})
+
+
+@dataclass(frozen=True)
+class DeepCacheConfig:
+    cache_interval: int
+    cache_depth: int
+    start_percent: float
+    end_percent: float
+
+
+class Mode(enum.Enum):
+    FULL = "full"  # run the network unchanged, cache nothing
+    CAPTURE = "capture"  # run the network unchanged and cache the deep features
+    CACHED = "cached"  # run only the shallow blocks on top of the cached deep features
+
+
+def plan_steps(sigmas: Sequence[float], interval: int, start_sigma: float, end_sigma: float) -> list[Mode]:
+    """Mode of each sampler step: inside (end_sigma, start_sigma] one full step every `interval` steps."""
+    steps = len(sigmas) - 1
+    in_range = [start_sigma >= sigmas[i] > end_sigma for i in range(steps)]
+    first = next((i for i in range(steps) if in_range[i]), None)
+    cached = [first is not None and in_range[i] and (i - first) % interval != 0 for i in range(steps)]
+    modes = []
+    for i in range(steps):
+        if cached[i]:
+            modes.append(Mode.CACHED)
+        elif any(cached[i + 1:]):
+            modes.append(Mode.CAPTURE)
+        else:
+            modes.append(Mode.FULL)
+    return modes
+
+
+class FeatureCache:
+    """Deep features per conditioning chunk (cond uuid), each entry tagged with the input signature it
+    was computed for (chunk batch, shape, dtype); a lookup with another signature is a miss."""
+
+    def __init__(self) -> None:
+        self._entries: dict[object, tuple[tuple, dict[str, torch.Tensor]]] = {}
+
+    def put(self, chunk_ids: Sequence, signature: tuple, name: str, tensor: torch.Tensor) -> None:
+        if not chunk_ids or tensor.shape[0] % len(chunk_ids):
+            return  # not one equal slice per cond: leave it uncached (a later lookup misses and recomputes)
+        pieces = tensor.split(tensor.shape[0] // len(chunk_ids), dim=0)
+        for chunk_id, piece in zip(chunk_ids, pieces, strict=True):
+            entry = self._entries.get(chunk_id)
+            if entry is None or entry[0] != signature:
+                entry = (signature, {})
+                self._entries[chunk_id] = entry
+            entry[1][name] = piece
+
+    def get(self, chunk_ids: Sequence, signature: tuple, names: Sequence[str] | None = None) -> dict | None:
+        """All `names` (default: every name cached for the first chunk) for every chunk, or None."""
+        found = []
+        for chunk_id in chunk_ids:
+            entry = self._entries.get(chunk_id)
+            if entry is None or entry[0] != signature:
+                return None
+            found.append(entry[1])
+        if not found:
+            return None
+        wanted = list(names) if names is not None else sorted(found[0])
+        if not wanted or any(name not in tensors for tensors in found for name in wanted):
+            return None
+        if len(found) == 1:
+            return {name: found[0][name] for name in wanted}
+        return {name: torch.cat([tensors[name] for tensors in found], dim=0) for name in wanted}
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+@dataclass
+class ModelCall:
+    """One call of the diffusion model inside an evaluation (cond and uncond batched, or one of them)."""
+
+    mode: Mode
+    chunk_ids: list
+    signature: tuple | None = None
+    captured: dict = field(default_factory=dict)
+    scratch: dict = field(default_factory=dict)
+    cached: dict | None = None
+
+
+class DeepCacheRun:
+    """State of one sampling run: the step plan, where the sampler is, the feature cache, the counts."""
+
+    def __init__(self, config: DeepCacheConfig, sigmas: torch.Tensor, model_sampling, sampler) -> None:
+        self.config = config
+        self.sigmas = [float(s) for s in sigmas.flatten().tolist()]
+        start_sigma = float(model_sampling.percent_to_sigma(config.start_percent))
+        end_sigma = float(model_sampling.percent_to_sigma(config.end_percent))
+        self.plan = plan_steps(self.sigmas, config.cache_interval, start_sigma, end_sigma)
+        function = getattr(sampler, "sampler_function", None)
+        self.second_stage_at_next_sigma = getattr(function, "__name__", "") in SECOND_STAGE_AT_NEXT_SIGMA
+        self.completed_step = -1
+        self.evaluations_at_target = 0
+        self.callbacks_seen = 0
+        self.mode = Mode.FULL
+        self.evaluation_fell_back = False
+        self.call: ModelCall | None = None
+        self.cache = FeatureCache()
+        self.full_steps = 0
+        self.cached_steps = 0
+        self.extra_evaluations = 0
+        self.cache_misses = 0
+
+    # --- sampler level -----------------------------------------------------------------------------
+    def wrap_callback(self, callback: Callable | None) -> Callable:
+        def step_done(step, *args, **kwargs):
+            self.completed_step = int(step)
+            self.evaluations_at_target = 0
+            self.callbacks_seen += 1
+            if callback is not None:
+                return callback(step, *args, **kwargs)
+
+        return step_done
+
+    def begin_evaluation(self, timestep: torch.Tensor) -> Mode:
+        """Classify one sampler evaluation (a predict_noise call) and return the mode it runs in."""
+        sigma = float(timestep.flatten()[0])
+        target = self.completed_step + 1
+        self.evaluation_fell_back = False
+        mode = Mode.FULL
+        if target < len(self.plan) and math.isclose(sigma, self.sigmas[target], rel_tol=1e-4, abs_tol=1e-7):
+            self.evaluations_at_target += 1
+            main = 2 if (self.second_stage_at_next_sigma and target >= 1) else 1
+            if self.evaluations_at_target == main:
+                mode = self.plan[target]
+                if mode is Mode.CACHED:
+                    self.cached_steps += 1
+                else:
+                    self.full_steps += 1
+                self.mode = mode
+                return mode
+        self.extra_evaluations += 1
+        self.mode = mode
+        return mode
+
+    def summary(self) -> str:
+        steps = len(self.plan)
+        text = (f"DeepCache: {steps} steps, {self.full_steps} full, {self.cached_steps} cached "
+                f"(interval {self.config.cache_interval}, depth {self.config.cache_depth})")
+        if self.extra_evaluations:
+            text += f", {self.extra_evaluations} intermediate evaluations run in full"
+        if self.cache_misses:
+            text += f", {self.cache_misses} cached calls recomputed after a cache miss"
+        if self.callbacks_seen == 0 and steps > 1:
+            text += "; the sampler reported no steps, so every evaluation after the first ran in full"
+        return text
+
+    def release(self) -> None:
+        self.cache.clear()
+        self.call = None
+
+    # --- model-call level --------------------------------------------------------------------------
+    def begin_call(self, transformer_options: dict) -> ModelCall:
+        chunk_ids = transformer_options.get("uuids") or transformer_options.get("cond_or_uncond") or [0]
+        self.call = ModelCall(mode=self.mode, chunk_ids=list(chunk_ids))
+        return self.call
+
+    def fall_back_to_capture(self, call: ModelCall) -> None:
+        """A cached call found no usable cache (new shape, dtype or cond): run it in full and cache it."""
+        call.mode = Mode.CAPTURE
+        self.cache_misses += 1
+        if not self.evaluation_fell_back:
+            self.evaluation_fell_back = True
+            self.cached_steps -= 1
+            self.full_steps += 1
+
+
+def current_call(transformer_options: dict | None) -> ModelCall | None:
+    if not transformer_options:
+        return None
+    run = transformer_options.get(STATE_KEY)
+    return run.call if isinstance(run, DeepCacheRun) else None
+
+
+def current_run(transformer_options: dict | None) -> DeepCacheRun | None:
+    run = (transformer_options or {}).get(STATE_KEY)
+    return run if isinstance(run, DeepCacheRun) else None
+
+
+def chunk_signature(tensor: torch.Tensor, chunks: int) -> tuple:
+    return (tensor.shape[0] // max(chunks, 1), tuple(tensor.shape[1:]), tensor.dtype, tensor.device)
+
+
+# --- wrappers ----------------------------------------------------------------------------------------
+def make_outer_sample_wrapper(config: DeepCacheConfig) -> Callable:
+    def deepcache_outer_sample(executor, *args, **kwargs):
+        import comfy.model_patcher
+
+        guider = executor.class_obj
+        sigmas = args[3] if len(args) > 3 else kwargs["sigmas"]
+        sampler = args[2] if len(args) > 2 else kwargs.get("sampler")
+        model_sampling = guider.model_patcher.get_model_object("model_sampling")
+        run = DeepCacheRun(config, sigmas, model_sampling, sampler)
+        args = list(args)
+        if len(args) > 5:
+            args[5] = run.wrap_callback(args[5])
+        else:
+            kwargs["callback"] = run.wrap_callback(kwargs.get("callback"))
+        original_options = guider.model_options
+        guider.model_options = comfy.model_patcher.create_model_options_clone(original_options)
+        guider.model_options.setdefault("transformer_options", {})[STATE_KEY] = run
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            guider.model_options = original_options
+            log.info(run.summary())
+            run.release()
+
+    return deepcache_outer_sample
+
+
+def deepcache_predict_noise(executor, *args, **kwargs):
+    timestep = args[1] if len(args) > 1 else kwargs["timestep"]
+    model_options = args[2] if len(args) > 2 else kwargs.get("model_options", {})
+    run = current_run(model_options.get("transformer_options"))
+    if run is not None:
+        run.begin_evaluation(timestep)
+    return executor(*args, **kwargs)
+
+
+def deepcache_apply_model(executor, *args, **kwargs):
+    transformer_options = args[5] if len(args) > 5 else kwargs.get("transformer_options")
+    run = current_run(transformer_options)
+    if run is None:
+        return executor(*args, **kwargs)
+    run.begin_call(transformer_options)
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        run.call = None
+
+
+def install_step_wrappers(model, config: DeepCacheConfig) -> None:
+    """Register the sampler-level wrappers on `model` (a clone the caller owns)."""
+    from comfy.patcher_extension import WrappersMP
+
+    model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_outer_sample_wrapper(config))
+    model.add_wrapper_with_key(WrappersMP.PREDICT_NOISE, WRAPPER_KEY, deepcache_predict_noise)
+    model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, deepcache_apply_model)
