@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SD15 = "int8accel_random_sd15.safetensors"
-SDXL = "int8accel_random_sdxl.safetensors"
+SDXL = "int8accel_random_sdxl_vega.safetensors"  # SDXL family, light enough for a CPU
 SD3 = "int8accel_random_sd3.safetensors"
 
 # Socket (linked) inputs and outputs of the node types used, in INPUT_TYPES / RETURN_TYPES order.
@@ -179,14 +179,14 @@ def sd15_int8() -> Workflow:
         "work is large enough (compute density) for an INT8 version; the rest stay in float. Its second "
         "output is a text report of what was quantized. LoRA loaded before or after it keeps working.\n\n"
         f"Checkpoint: {SD15} is the random-weight test model made by `python -m scripts.make_checkpoint`; "
-        "pick your own SD1.5 checkpoint. 256x256 and 6 steps keep it quick on a CPU: use 512x512 and 20+ steps "
+        "pick your own SD1.5 checkpoint. 256x256 and 4 steps keep it quick on a CPU: use 512x512 and 20+ steps "
         "for real pictures."))
 
     def chain(loader: Node):
         quant = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_DEFAULTS)
         return (quant, 0)
 
-    _text_to_image(wf, SD15, chain, 256, 256, 6, 7.0, "int8accel/sd15_int8")
+    _text_to_image(wf, SD15, chain, 256, 256, 4, 7.0, "int8accel/sd15_int8")
     return wf
 
 
@@ -197,8 +197,9 @@ def sdxl_int8_deepcache() -> Workflow:
         "DeepCache runs the full UNet only every `cache_interval` steps; in between it reuses the deep "
         "features of the last full step and recomputes only the outer `cache_depth` blocks. "
         "start_percent / end_percent limit caching to part of the schedule.\n\n"
-        f"Checkpoint: {SDXL} is the random-weight test model made by `python -m scripts.make_more_checkpoints "
-        "sdxl`; pick your own SDXL checkpoint and use 1024x1024 with 20+ steps for real pictures."))
+        f"Checkpoint: {SDXL} is a random-weight SDXL-family test model (Segmind Vega's layout: SDXL's "
+        "text encoders, VAE and conditioning, fewer transformer blocks) made by `python -m "
+        "scripts.make_more_checkpoints`; pick your own SDXL checkpoint and use 1024x1024 with 20+ steps."))
 
     def chain(loader: Node):
         quant = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_DEFAULTS)
@@ -206,7 +207,7 @@ def sdxl_int8_deepcache() -> Workflow:
                        cache_depth=1, start_percent=0.0, end_percent=1.0)
         return (cache, 0)
 
-    _text_to_image(wf, SDXL, chain, 256, 256, 6, 7.0, "int8accel/sdxl_int8_deepcache", x0=0)
+    _text_to_image(wf, SDXL, chain, 256, 256, 4, 7.0, "int8accel/sdxl_int8_deepcache", x0=0)
     return wf
 
 
@@ -226,7 +227,7 @@ def sd3_int8_blockcache() -> Workflow:
                        cache_depth=1, start_percent=0.0, end_percent=1.0)
         return (cache, 0)
 
-    _text_to_image(wf, SD3, chain, 256, 256, 6, 4.5, "int8accel/sd3_int8_blockcache", sd3=True,
+    _text_to_image(wf, SD3, chain, 256, 256, 4, 4.5, "int8accel/sd3_int8_blockcache", sd3=True,
                    scheduler="simple")
     return wf
 
@@ -268,7 +269,7 @@ def sd15_compare() -> Workflow:
     pos = wf.add("CLIPTextEncode", (380, 260), (400, 160), "Positive prompt", text=POSITIVE, clip=(loader, 1))
     neg = wf.add("CLIPTextEncode", (380, 460), (400, 120), "Negative prompt", text=NEGATIVE, clip=(loader, 1))
     latent = wf.add("EmptyLatentImage", (380, 620), (315, 106), width=256, height=256, batch_size=1)
-    common = dict(seed=42, steps=6, cfg=7.0, sampler_name="euler", scheduler="normal", denoise=1.0,
+    common = dict(seed=42, steps=4, cfg=7.0, sampler_name="euler", scheduler="normal", denoise=1.0,
                   positive=(pos, 0), negative=(neg, 0), latent_image=(latent, 0))
     base = wf.add("KSampler", (860, 40), (315, 262), "KSampler (baseline)", model=(loader, 0), **common)
     fast = wf.add("KSampler", (860, 480), (315, 262), "KSampler (INT8 + DeepCache)", model=(cache, 0), **common)

@@ -1,0 +1,127 @@
+"""Shared by the workflow, browser and API-error tests: the shipped workflow files, the extra checkpoints
+they name, and an independent reading of a UI graph into an API prompt using the server's /object_info."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKFLOWS = REPO_ROOT / "workflows"
+ARTIFACTS = REPO_ROOT / "test-artifacts"
+# Frontend-only node types: the page never puts them in a prompt.
+VIRTUAL_NODE_TYPES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def workflow_names() -> list[str]:
+    return sorted(p.stem for p in WORKFLOWS.glob("*.json"))
+
+
+def load_ui(name: str) -> dict:
+    return json.loads((WORKFLOWS / f"{name}.json").read_text())
+
+
+def load_api(name: str) -> dict:
+    return json.loads((WORKFLOWS / "api" / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def workflow_checkpoints(comfy_root, sd15_checkpoint) -> list[str]:
+    """Every checkpoint the shipped workflows name, built once by the model factories."""
+    from scripts.make_more_checkpoints import ensure_sd3_checkpoint, ensure_sdxl_vega_checkpoint
+
+    return [sd15_checkpoint, ensure_sdxl_vega_checkpoint(comfy_root).name, ensure_sd3_checkpoint(comfy_root).name]
+
+
+def _is_widget(spec: list) -> bool:
+    kind = spec[0]
+    return isinstance(kind, list) or kind in WIDGET_TYPES
+
+
+def _input_specs(info: dict) -> list[tuple[str, list]]:
+    """(name, spec) for every input of a node, in the order the page lays out its widgets."""
+    inputs = info["input"]
+    order = info.get("input_order") or {section: list(inputs.get(section, {})) for section in ("required", "optional")}
+    specs = []
+    for section in ("required", "optional"):
+        for name in order.get(section, []):
+            specs.append((name, inputs[section][name]))
+    return specs
+
+
+def ui_graph_to_api(ui: dict, object_info: dict) -> dict:
+    """Read a saved UI graph into the API prompt it stands for, as the page would (no frontend code used).
+
+    Widget values are positional in the node's input order; a widget with `control_after_generate`
+    carries one extra value (the control mode) that is not an input. Raises AssertionError on anything
+    the page would not accept: an unknown node type, a link into an input of another type, a wrong
+    number of widget values.
+    """
+    links = {link[0]: link for link in ui["links"]}
+    prompt: dict = {}
+    for node in ui["nodes"]:
+        if node["type"] in VIRTUAL_NODE_TYPES or node.get("mode", 0) in (2, 4):  # muted / bypassed
+            continue
+        assert node["type"] in object_info, f"node type {node['type']} is missing from /object_info"
+        info = object_info[node["type"]]
+        specs = _input_specs(info)
+        linked = {}
+        for socket in node.get("inputs", []):
+            if socket.get("link") is None:
+                continue
+            _, src, src_slot, dst, _, link_type = links[socket["link"]]
+            assert dst == node["id"], f"link {socket['link']} does not end at node {node['id']}"
+            src_node = next(n for n in ui["nodes"] if n["id"] == src)
+            src_type = object_info[src_node["type"]]["output"][src_slot]
+            spec = dict(specs)[socket["name"]]
+            wanted = "COMBO" if isinstance(spec[0], list) else spec[0]
+            assert link_type == src_type, f"link {socket['link']} says {link_type}, source gives {src_type}"
+            assert wanted in (src_type, "*") or src_type == "*", (
+                f"{node['type']}.{socket['name']} takes {wanted}, linked to a {src_type} output")
+            linked[socket["name"]] = [str(src), src_slot]
+        values = list(node.get("widgets_values", []))
+        inputs = {}
+        for name, spec in specs:
+            if not _is_widget(spec):
+                continue
+            assert values, f"{node['type']} (node {node['id']}): no widget value left for {name}"
+            inputs[name] = values.pop(0)
+            if len(spec) > 1 and spec[1].get("control_after_generate"):
+                control = values.pop(0)
+                assert control in ("fixed", "increment", "decrement", "randomize"), control
+        assert not values, f"{node['type']} (node {node['id']}): {len(values)} widget values left over: {values}"
+        for name, spec in specs:
+            required = name in info["input"].get("required", {})
+            if required and not _is_widget(spec):
+                assert name in linked, f"{node['type']} (node {node['id']}): required input {name} is not linked"
+        inputs.update(linked)
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
+
+
+def strip_meta(prompt: dict) -> dict:
+    return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
+
+
+def widget_problems(prompt: dict, object_info: dict) -> list[str]:
+    """Values the server's validation would reject: combo values not offered, numbers out of range."""
+    problems = []
+    for node_id, node in prompt.items():
+        info = object_info[node["class_type"]]
+        specs = dict(_input_specs(info))
+        for name, value in node["inputs"].items():
+            if isinstance(value, list):
+                continue
+            spec = specs[name]
+            options = spec[1] if len(spec) > 1 else {}
+            choices = spec[0] if isinstance(spec[0], list) else options.get("options") if spec[0] == "COMBO" else None
+            if choices is not None and value not in choices:
+                problems.append(f"node {node_id} {node['class_type']}.{name}={value!r} not in {choices[:8]}")
+            if spec[0] in ("INT", "FLOAT"):
+                if "min" in options and value < options["min"] or "max" in options and value > options["max"]:
+                    problems.append(f"node {node_id} {node['class_type']}.{name}={value} outside "
+                                    f"[{options.get('min')}, {options.get('max')}]")
+    return problems

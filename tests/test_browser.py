@@ -1,0 +1,178 @@
+"""The shipped workflows in the real ComfyUI page, in headless Chromium driven by Playwright.
+
+Debian's chromium is used (scripts/setup_browser.sh installs it and Playwright for Python; no browser is
+ever downloaded). The page loads each UI graph, must know every node type and keep every widget value,
+turns the graph into exactly the shipped API prompt, queues it itself, and the run ends with an image.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoints is a fixture)
+    ARTIFACTS,
+    REPO_ROOT,
+    VIRTUAL_NODE_TYPES,
+    load_api,
+    load_ui,
+    strip_meta,
+    workflow_checkpoints,
+    workflow_names,
+)
+
+pytestmark = pytest.mark.browser
+NAMES = workflow_names()
+SCREENSHOT_WORKFLOW = "sd15_compare_baseline_vs_accelerated"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-default-apps", "--disable-extensions"]
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Path of Debian's chromium, installed with Playwright by scripts/setup_browser.sh when missing."""
+    def playwright_ok() -> bool:
+        try:
+            import playwright.sync_api  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    if shutil.which("chromium") is None or not playwright_ok():
+        result = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "setup_browser.sh")], capture_output=True,
+                                text=True, timeout=900)
+        if shutil.which("chromium") is None:
+            pytest.skip(f"Debian's chromium could not be installed: {result.stderr.strip()[-800:]}")
+        assert result.returncode == 0 and playwright_ok(), f"Playwright install failed: {result.stderr[-2000:]}"
+    return shutil.which("chromium")
+
+
+@pytest.fixture(scope="module")
+def page(server, chromium, request):
+    from playwright.sync_api import sync_playwright
+
+    request.getfixturevalue("workflow_checkpoints")
+
+    with sync_playwright() as playwright, tempfile.TemporaryDirectory() as profile:
+        context = playwright.chromium.launch_persistent_context(
+            profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1600, "height": 1000})
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            _open_app(page, server.url)
+            page.page_errors = errors
+            yield page
+        finally:
+            context.close()
+
+
+def _open_app(page, url: str) -> None:
+    page.goto(url)
+    page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph && window.app.extensionManager",
+                           timeout=120_000)
+    # A first visit opens the templates browser on top of the canvas; mark the tour done and start clean.
+    page.evaluate("() => window.app.extensionManager.setting.set('Comfy.TutorialCompleted', true)")
+    page.reload()
+    page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph", timeout=120_000)
+    page.wait_for_timeout(1000)
+    banner_close = page.locator("div", has_text="Introducing Nodes 2.0").locator("button").last
+    if banner_close.count():
+        try:
+            banner_close.click(timeout=2000)
+        except Exception:  # noqa: BLE001  the banner is cosmetic; a screenshot with it is still fine
+            pass
+
+
+def test_page_offers_the_workflows_in_its_templates_browser(page, server):
+    from scripts.setup_links import LINK_NAME
+
+    page.evaluate("() => window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
+    dialog = page.locator("[role=dialog]")
+    dialog.get_by_text(LINK_NAME).first.click(timeout=30_000)
+    for name in NAMES:
+        assert dialog.get_by_text(name, exact=True).count() >= 1, f"{name} not in the templates browser"
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser_templates.png"))
+    # Open one the way a user does, by clicking its card: the page fetches and loads the file.
+    dialog.get_by_text("sd15_int8_txt2img", exact=True).first.click()
+    page.wait_for_function("() => window.app.graph.nodes.some(n => n.type === 'Int8AccelQuantize')", timeout=30_000)
+    assert page.locator("[role=dialog]").count() == 0
+    assert page.evaluate("() => window.app.graph.nodes.length") == len(load_ui("sd15_int8_txt2img")["nodes"])
+    _open_app(page, server.url)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, name):
+    ui = load_ui(name)
+    state = page.evaluate(
+        """async ([graph, name]) => {
+            await window.app.loadGraphData(graph, true, true, name);
+            await new Promise(r => setTimeout(r, 500));
+            const nodes = window.app.graph.nodes.map(n => ({
+                id: n.id, type: n.type, has_errors: !!n.has_errors,
+                registered: !!window.LiteGraph.registered_node_types[n.type],
+                widgets_values: n.serialize().widgets_values || [],
+                widgets: (n.widgets || []).map(w => ({name: w.name, type: w.type, value: w.value,
+                    values: Array.isArray(w.options?.values) ? w.options.values : null,
+                    min: w.options?.min, max: w.options?.max})),
+            }));
+            const dialogs = [...document.querySelectorAll('[role=dialog]')].map(d => d.innerText);
+            const prompt = await window.app.graphToPrompt();
+            return {nodes, dialogs, prompt: prompt.output};
+        }""", [ui, name])
+
+    missing = [n["type"] for n in state["nodes"] if not n["registered"] or n["has_errors"]]
+    assert missing == [], f"{name}: node types the page does not know: {missing}"
+    assert state["dialogs"] == [], f"{name}: the page opened a dialog on load: {state['dialogs']}"
+    assert sorted(n["id"] for n in state["nodes"]) == sorted(n["id"] for n in ui["nodes"])
+    by_id = {n["id"]: n for n in ui["nodes"]}
+    for node in state["nodes"]:
+        assert node["widgets_values"] == by_id[node["id"]]["widgets_values"], (
+            f"{name}: the page changed the widget values of node {node['id']} ({node['type']})")
+        for widget in node["widgets"]:
+            if widget["values"] is not None:
+                assert widget["value"] in widget["values"], f"{name}: {node['type']}.{widget['name']} rejected"
+            if isinstance(widget["value"], (int, float)) and widget["min"] is not None:
+                assert widget["min"] <= widget["value"] <= widget["max"], f"{name}: {node['type']}.{widget['name']}"
+    assert strip_meta(state["prompt"]) == strip_meta(load_api(name)), (
+        f"{name}: the page's prompt differs from workflows/api/{name}.json")
+    assert not any(n["type"] in VIRTUAL_NODE_TYPES for n in state["prompt"].values())
+
+    # Queue it the way the Queue button does, and read the prompt id off the page's own POST /prompt.
+    with page.expect_response(lambda r: r.url.endswith("/api/prompt") and r.request.method == "POST") as posted:
+        page.evaluate("() => window.app.queuePrompt(0, 1)")
+    response = posted.value
+    body = response.json()
+    assert response.status == 200 and not body.get("node_errors"), json.dumps(body)[:2000]
+    start = time.time()
+    result = server.wait(body["prompt_id"], timeout=600)
+    status = result["history"].get("status", {})
+    assert status.get("status_str") == "success", f"{name}: {json.dumps(status)[:3000]}\n{server.log_tail()}"
+    images = server.output_images(result["history"])
+    assert images and all(p.is_file() for p in images)
+    save_ids = [k for k, v in load_api(name).items() if v["class_type"] == "SaveImage"]
+    # The page received the result and shows it on the Save Image node.
+    page.wait_for_function(
+        "(ids) => ids.every(id => { const n = window.app.graph.getNodeById(Number(id));"
+        " return n && n.imgs && n.imgs.length > 0 && n.imgs[0].complete; })", arg=save_ids, timeout=60_000)
+    assert page.page_errors == [], page.page_errors
+    print(f"{name}: ran from the page in {time.time() - start:.1f} s")
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.evaluate("() => { const c = window.app.canvas; c.ds.scale = 0.8; c.ds.offset = [30, 60];"
+                  " c.setDirty(true, true); c.draw(true, true); }")
+    page.wait_for_timeout(500)
+    shot = ARTIFACTS / f"browser_{name}.png"
+    page.screenshot(path=str(shot))
+    if name == SCREENSHOT_WORKFLOW:
+        docs = REPO_ROOT / "docs"
+        docs.mkdir(exist_ok=True)
+        shutil.copyfile(shot, docs / "workflow-screenshot.png")

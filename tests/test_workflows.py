@@ -1,0 +1,111 @@
+"""The shipped workflows: both forms agree, every API prompt runs on the real server, the page lists them."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from PIL import Image
+
+from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoints is a fixture)
+    ARTIFACTS,
+    VIRTUAL_NODE_TYPES,
+    WORKFLOWS,
+    load_api,
+    load_ui,
+    strip_meta,
+    ui_graph_to_api,
+    widget_problems,
+    workflow_checkpoints,
+    workflow_names,
+)
+
+NAMES = workflow_names()
+PACK_NODES = {"Int8AccelQuantize", "Int8AccelDeepCache", "Int8AccelCompile"}
+
+
+def test_each_ui_workflow_has_an_api_twin_a_note_and_the_page_format():
+    assert len(NAMES) == 5, NAMES
+    assert sorted(p.stem for p in (WORKFLOWS / "api").glob("*.json")) == NAMES
+    used = set()
+    for name in NAMES:
+        ui = load_ui(name)
+        assert ui["version"] == 0.4
+        assert {"last_node_id", "last_link_id", "nodes", "links", "groups", "config", "extra"} <= set(ui)
+        assert ui["last_node_id"] == max(n["id"] for n in ui["nodes"])
+        assert ui["last_link_id"] == max(link[0] for link in ui["links"])
+        notes = [n for n in ui["nodes"] if n["type"] == "Note"]
+        assert len(notes) == 1 and len(notes[0]["widgets_values"][0]) > 200, f"{name}: needs one explaining Note"
+        used |= {n["type"] for n in ui["nodes"]}
+        # links: [id, from_node, from_slot, to_node, to_slot, type], mirrored on both ends
+        by_id = {n["id"]: n for n in ui["nodes"]}
+        for link_id, src, src_slot, dst, dst_slot, _ in ui["links"]:
+            assert link_id in by_id[src]["outputs"][src_slot]["links"]
+            assert by_id[dst]["inputs"][dst_slot]["link"] == link_id
+    assert PACK_NODES <= used, "every pack node appears in some shipped workflow"
+
+
+def test_api_workflows_name_checkpoints_the_model_factories_make():
+    from scripts.make_checkpoint import DEFAULT_NAME
+    from scripts.make_more_checkpoints import SD3_NAME, SDXL_VEGA_NAME
+
+    named = {node["inputs"]["ckpt_name"] for name in NAMES for node in load_api(name).values()
+             if node["class_type"] == "CheckpointLoaderSimple"}
+    assert named == {DEFAULT_NAME, SDXL_VEGA_NAME, SD3_NAME}
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("workflow_checkpoints")
+def test_ui_and_api_forms_agree(server):
+    info = server.object_info()
+    for name in NAMES:
+        ui, api = load_ui(name), load_api(name)
+        from_ui = ui_graph_to_api(ui, info)
+        assert strip_meta(api) == from_ui, f"{name}: UI graph and API prompt differ"
+        assert len(from_ui) == sum(n["type"] not in VIRTUAL_NODE_TYPES for n in ui["nodes"])
+        assert widget_problems(api, info) == [], name
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.usefixtures("workflow_checkpoints")
+def test_shipped_api_workflow_runs_to_an_image(server, name):
+    prompt = load_api(name)
+    start = time.time()
+    result = server.run(prompt, timeout=600)
+    seconds = time.time() - start
+    history = result["history"]
+    status = history.get("status", {})
+    messages = [m[0] for m in status.get("messages", [])]
+    assert status.get("status_str") == "success" and "execution_success" in messages, (
+        f"{name}: {json.dumps(status)[:3000]}\n{server.log_tail()}")
+    images = server.output_images(history)
+    save_nodes = [k for k, v in prompt.items() if v["class_type"] == "SaveImage"]
+    assert set(history["outputs"]) >= set(save_nodes)
+    assert len(images) == len(save_nodes) >= 1
+    latent = next(v["inputs"] for v in prompt.values() if v["class_type"].startswith("Empty"))
+    ARTIFACTS.mkdir(exist_ok=True)
+    for path in images:
+        with Image.open(path) as image:
+            width = latent["width"] * (2 if name.startswith("sd15_compare") else 1)
+            width += 8 if name.startswith("sd15_compare") else 0  # Image Stitch's spacing
+            assert image.size == (width, latent["height"])
+            image.save(ARTIFACTS / f"api_{name}.png")
+            if name.startswith("sd15_compare"):
+                left = image.crop((0, 0, latent["width"], latent["height"])).tobytes()
+                right = image.crop((width - latent["width"], 0, width, latent["height"])).tobytes()
+                assert left != right, "the accelerated half equals the baseline: the pack nodes did nothing"
+    print(f"{name}: {seconds:.1f} s")
+
+
+@pytest.mark.server
+def test_workflows_are_listed_and_served_as_templates(server):
+    from scripts.setup_links import LINK_NAME
+
+    listed = server.get("/workflow_templates").json()
+    assert sorted(listed.get(LINK_NAME, [])) == NAMES  # api/ prompts are not offered as templates
+    for name in NAMES:
+        served = server.get(f"/api/workflow_templates/{LINK_NAME}/{name}.json")
+        assert served.status_code == 200
+        assert served.json() == load_ui(name)
