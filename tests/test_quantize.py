@@ -219,3 +219,34 @@ def test_model_without_eligible_layers_is_returned_unchanged(comfy_root, quant):
     out, report = quantize(quant, model, quantize_conv="disable", quantize_linear="disable")
     assert out is model
     assert "Nothing to quantize" in report
+
+
+def test_low_vram_partial_load_keeps_lora(comfy_root, quant):
+    """ComfyUI offloads layers that do not fit and keeps their LoRA in weight_function: INT8 must still see it."""
+    base = build_tiny_model("sd15")
+    lora = make_lora(base, layers=8, scale=2.0)
+    gen = torch.Generator().manual_seed(3)
+    x, t, context = torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([700.0, 700.0]), torch.randn(2, 8, 768)
+
+    def apply(patcher, lowvram: bool) -> torch.Tensor:
+        patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1 if lowvram else 0)
+        offloaded_with_lora = [m for m in patcher.model.modules() if getattr(m, "weight_function", None)]
+        assert bool(offloaded_with_lora) == (lowvram and bool(patcher.patches))
+        try:
+            with torch.inference_mode():
+                options = {"wrappers": patcher.wrappers}
+                return [patcher.model.apply_model(x, t, c_crossattn=context, transformer_options=options)
+                        for _ in range(2)][-1]
+        finally:
+            patcher.unpatch_model(device_to=torch.device("cpu"))
+
+    float_lora = apply(apply_lora(base, lora), lowvram=False)
+    float_plain = apply(base, lowvram=False)
+    int8_lora = quantize(quant, apply_lora(base, lora), conv_mse_threshold=1.0, linear_mse_threshold=1.0,
+                         compute_density_threshold=0)[0]
+    partially_loaded = apply(int8_lora, lowvram=True)
+    assert plan_of(int8_lora).last_result.chosen
+    lora_shift = relative_error(float_lora, float_plain)
+    assert lora_shift > 0.01
+    assert relative_error(partially_loaded, float_lora) < 0.1 * lora_shift
+    assert torch.equal(apply(base, lowvram=False), float_plain)

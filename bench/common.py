@@ -1,0 +1,95 @@
+"""Shared benchmark plumbing: the full-size random SD1.5 checkpoint in-process, timed sampling, PSNR."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.support.comfy_host import import_comfy, load_pack  # noqa: E402
+
+
+@dataclass
+class SampleRun:
+    seconds_total: float
+    seconds_sampling: float
+    step_seconds: list[float] = field(default_factory=list)
+    latent: torch.Tensor | None = None
+    image: torch.Tensor | None = None
+
+    @property
+    def median_step(self) -> float:
+        steady = self.step_seconds[1:] or self.step_seconds
+        return statistics.median(steady)
+
+
+def load_sd15():
+    """(model patcher, clip, vae) of the random full-size SD1.5 checkpoint, building it if needed."""
+    root = import_comfy()
+    load_pack()
+    import comfy.sd
+
+    from scripts.make_checkpoint import ensure_checkpoint
+
+    path = ensure_checkpoint(root)
+    model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
+    return model, clip, vae
+
+
+def encode(clip, text: str) -> list:
+    tokens = clip.tokenize(text)
+    return clip.encode_from_tokens_scheduled(tokens)
+
+
+def timed_sample(model, vae, positive, negative, *, size: int, steps: int, seed: int = 42, cfg: float = 7.0,
+                 sampler: str = "euler", decode: bool = True) -> SampleRun:
+    import comfy.sample
+
+    latent = torch.zeros(1, 4, size // 8, size // 8)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    stamps: list[float] = []
+
+    def callback(step, x0, x, total):
+        stamps.append(time.perf_counter())
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        samples = comfy.sample.sample(model, noise, steps, cfg, sampler, "normal", positive, negative, latent,
+                                      denoise=1.0, disable_pbar=True, seed=seed, callback=callback)
+        sampled = time.perf_counter()
+        image = vae.decode(samples) if decode else None
+    end = time.perf_counter()
+    steps_s = [b - a for a, b in zip([start] + stamps[:-1], stamps, strict=True)]
+    return SampleRun(end - start, sampled - start, steps_s, samples.float(), image)
+
+
+def psnr(test: torch.Tensor, reference: torch.Tensor, peak: float | None = None) -> float:
+    test, reference = test.double(), reference.double()
+    mse = float(((test - reference) ** 2).mean())
+    if peak is None:
+        peak = float(reference.max() - reference.min())
+    return math.inf if mse == 0 else 10 * math.log10(peak ** 2 / mse)
+
+
+def write_table(name: str, title: str, header: list[str], rows: list[list[str]], notes: list[str]) -> Path:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
+    text = [f"# {title}", "", line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    text += [line(r) for r in rows]
+    text += [""] + [f"- {n}" for n in notes]
+    out = "\n".join(text) + "\n"
+    print(out)
+    path = REPO_ROOT / "bench" / "results" / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(out)
+    print(f"written to {path}")
+    return path
