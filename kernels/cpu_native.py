@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from .quant import ACT_QMAX, dequantize_weight
+from .quant import ACT_QMAX, as_contiguous, dequantize_weight
 from .weight_cache import CACHE
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 # Below these many multiply-accumulates an INT8 call costs more than float32 (bench/bench_kernels.py).
 LINEAR_MIN_MACS = int(os.environ.get("INT8_ACCEL_LINEAR_MIN_MACS", 1_000_000))
 CONV_MIN_MACS = int(os.environ.get("INT8_ACCEL_CONV_MIN_MACS", 2_000_000))
+# oneDNN's INT8 conv is slow on tiny feature maps with many channels (1280ch at 8x8: weight-bound); there a
+# GEMM over im2col rows (one row per output pixel, quantized per row) is faster and at least as accurate.
+IM2COL_MAX_ROWS = int(os.environ.get("INT8_ACCEL_IM2COL_MAX_ROWS", 160))
 
 
 def native_available() -> bool:
@@ -55,6 +58,8 @@ def quantize_tensor_u8_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     scale = torch.where(span > 0, span / 255.0, torch.ones_like(span))
     zero_point = torch.round(-lo / scale).clamp(0, 255)
     q = torch.round(xf * (1.0 / scale) + zero_point).clamp_(0, 255).to(torch.uint8)
+    if q.dim() == 4:  # oneDNN convolves channels-last activations without a reorder of its own
+        q = q.contiguous(memory_format=torch.channels_last)
     return q, scale, zero_point
 
 
@@ -139,7 +144,9 @@ def conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups) -> tor
     macs = x.shape[0] * h_out * w_out * cin_g * kh * kw * cout
     if macs < CONV_MIN_MACS or not native_available():
         y = F.conv2d(x.float(), _float_weight(q_weight, w_scale), bias32, stride, padding, dilation, groups)
-        return y.to(x.dtype, memory_format=torch.contiguous_format)
+        return as_contiguous(y, x.dtype)
+    if groups == 1 and x.shape[0] * h_out * w_out <= IM2COL_MAX_ROWS:
+        return _conv2d_im2col(x, q_weight, w_scale, bias, stride, padding, dilation, h_out, w_out)
     packed, scale32, zeros = _conv_pack(q_weight, w_scale, stride, padding, dilation, groups)
     xq, scale, zero_point = quantize_tensor_u8(x)
     y = torch.ops.onednn.qconv_pointwise(
@@ -147,4 +154,16 @@ def conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups) -> tor
         stride, padding, dilation, groups, 1.0, 0, torch.float32, "none", [], "",
     )  # fmt: skip
     # oneDNN answers channels-last; the op's contract (and its fake kernel) is contiguous NCHW.
-    return y.to(x.dtype, memory_format=torch.contiguous_format)
+    return as_contiguous(y, x.dtype)
+
+
+def _conv2d_im2col(x, q_weight, w_scale, bias, stride, padding, dilation, h_out, w_out) -> torch.Tensor:
+    """Conv as a per-token INT8 GEMM over unfolded patches: each output pixel's patch gets its own scale."""
+    cout = q_weight.shape[0]
+    batch = x.shape[0]
+    q2d = CACHE.get(q_weight, None, "im2col-2d", lambda: q_weight.reshape(cout, -1).contiguous())
+    cols = F.unfold(x.float(), q_weight.shape[2:], dilation=dilation, padding=padding, stride=stride)
+    cols = cols.transpose(1, 2).reshape(batch * h_out * w_out, -1)
+    y = linear(cols, q2d, w_scale, bias)  # [B * L, Cout]
+    y = y.reshape(batch, h_out * w_out, cout).transpose(1, 2).reshape(batch, cout, h_out, w_out)
+    return as_contiguous(y, x.dtype)

@@ -101,6 +101,13 @@ def quantize_affine_uint8(x: torch.Tensor, scale: float, zero_point: int) -> tor
     return torch.round(x.to(torch.float32) * (1.0 / scale) + zero_point).clamp_(0, 255).to(torch.uint8)
 
 
+def as_contiguous(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y in `dtype` and contiguous (NCHW for 4-D), in at most one copy."""
+    if y.dtype == dtype and y.is_contiguous():
+        return y
+    return torch.empty(y.shape, dtype=dtype, device=y.device).copy_(y)
+
+
 def normalized_mse(y_test: torch.Tensor, y_ref: torch.Tensor) -> float:
     """mean((y_test - y_ref)^2) / mean(y_ref^2) in float64; 0.0 when both are zero, inf if only y_ref is."""
     test = y_test.detach().to(torch.float64)

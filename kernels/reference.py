@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import affine_qparams, dequantize_weight, quantize_affine_uint8, quantize_rows_symmetric
+from .quant import affine_qparams, as_contiguous, dequantize_weight, quantize_affine_uint8, quantize_rows_symmetric
 
 
 def linear_reference(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -40,7 +40,7 @@ def conv2d_reference(
         dilation,
         groups,
     )
-    return y.to(x.dtype, memory_format=torch.contiguous_format)
+    return as_contiguous(y, x.dtype)
 
 
 def linear_float(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -61,4 +61,4 @@ def conv2d_float(x, q_weight, w_scale, bias, stride, padding, dilation, groups) 
         dilation,
         groups,
     )
-    return y.to(x.dtype, memory_format=torch.contiguous_format)
+    return as_contiguous(y, x.dtype)

@@ -188,6 +188,20 @@ def test_conv_accuracy_outlier_channels_and_relu_inputs():
     assert GAUSS_BOUND / 3 < relative_l2(y, ref) < CONV_OUTLIER_BOUND
 
 
+@pytest.mark.parametrize("x_shape,stride,dilation", [((2, 128, 8, 8), 1, 1), ((1, 64, 15, 15), 2, 1), ((1, 64, 10, 10), 1, 2)])
+def test_conv_small_feature_maps_per_patch_gemm(x_shape, stride, dilation):
+    """Few output pixels: the CPU path runs a per-row INT8 GEMM over im2col patches instead of oneDNN's conv."""
+    w, b, q, s = make_conv(96, x_shape[1], 3, 3, seed=6)
+    x = torch.randn(*x_shape, dtype=torch.float64)
+    ref = F.conv2d(x, w, b, stride, dilation, dilation)
+    y = int8_conv2d(x.float(), q, s, f32(b), stride, dilation, dilation)
+    assert y.shape == ref.shape and y.is_contiguous()
+    assert relative_l2(y, ref) < GAUSS_BOUND
+    xo = with_outlier_channels(x, dim=1)
+    y = int8_conv2d(xo.float(), q, s, f32(b), stride, dilation, dilation)
+    assert relative_l2(y, F.conv2d(xo, w, b, stride, dilation, dilation)) < CONV_OUTLIER_BOUND
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_conv_half_inputs(dtype):
     w, b, q, s = make_conv(64, 64, 3, 3)
