@@ -31,14 +31,14 @@ SD_VAE = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3
 
 
 def _randomize(state: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Norm scales 1 (every 1-D `weight`), biases 0, the rest N(0, 0.02), in fp16."""
     out = {}
     for key, value in state.items():
         if not value.is_floating_point():
             out[key] = value.clone()
-        elif value.ndim == 1 and ("norm" in key or key.endswith("ln_1.weight") or key.endswith("ln_2.weight")) and key.endswith("weight"):
-            out[key] = torch.ones(value.shape, dtype=torch.float16)
-        elif key.endswith("bias") or value.ndim == 1:
-            out[key] = torch.zeros(value.shape, dtype=torch.float16)
+        elif value.ndim <= 1:
+            fill = 1.0 if key.endswith("weight") else 0.0
+            out[key] = torch.full(value.shape, fill, dtype=torch.float16)
         else:
             out[key] = (torch.randn(value.shape, generator=gen) * 0.02).to(torch.float16)
     return out
