@@ -25,8 +25,10 @@ from .weight_cache import CACHE
 log = logging.getLogger(__name__)
 
 # Below these many multiply-accumulates an INT8 call costs more than float32 (bench/bench_kernels.py).
-LINEAR_MIN_MACS = int(os.environ.get("INT8_ACCEL_LINEAR_MIN_MACS", 1_000_000))
-CONV_MIN_MACS = int(os.environ.get("INT8_ACCEL_CONV_MIN_MACS", 2_000_000))
+LINEAR_MIN_MACS = int(os.environ.get("INT8_ACCEL_LINEAR_MIN_MACS", 2_000_000))
+CONV_MIN_MACS = int(os.environ.get("INT8_ACCEL_CONV_MIN_MACS", 4_000_000))
+# With a reduction this short the INT8 kernels lose to float32 at any size (SD1.5 conv_in, 4x3x3 = 36: 0.56x).
+MIN_REDUCTION = 64
 # oneDNN's INT8 conv is slow on tiny feature maps with many channels (1280ch at 8x8: weight-bound); there a
 # GEMM over im2col rows (one row per output pixel, quantized per row) is faster and at least as accurate.
 IM2COL_MAX_ROWS = int(os.environ.get("INT8_ACCEL_IM2COL_MAX_ROWS", 160))
@@ -123,7 +125,7 @@ def linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias:
     x2d = x.reshape(-1, k)
     m = x2d.shape[0]
     bias32 = None if bias is None else bias.to(torch.float32)
-    if m * k * n < LINEAR_MIN_MACS or not native_available():
+    if m * k * n < LINEAR_MIN_MACS or k < MIN_REDUCTION or not native_available():
         y = F.linear(x2d.float(), _float_weight(q_weight, w_scale), bias32)
         return y.reshape(*x.shape[:-1], n).to(x.dtype)
     packed, scale32, zeros = _linear_pack(q_weight, w_scale)
@@ -142,7 +144,7 @@ def conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups) -> tor
     h_out = (x.shape[2] + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     w_out = (x.shape[3] + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     macs = x.shape[0] * h_out * w_out * cin_g * kh * kw * cout
-    if macs < CONV_MIN_MACS or not native_available():
+    if macs < CONV_MIN_MACS or cin_g * kh * kw < MIN_REDUCTION or not native_available():
         y = F.conv2d(x.float(), _float_weight(q_weight, w_scale), bias32, stride, padding, dilation, groups)
         return as_contiguous(y, x.dtype)
     if groups == 1 and x.shape[0] * h_out * w_out <= IM2COL_MAX_ROWS:
