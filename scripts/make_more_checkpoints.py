@@ -29,6 +29,8 @@ SDXL_NAME = "int8accel_random_sdxl.safetensors"
 SDXL_VEGA_NAME = "int8accel_random_sdxl_vega.safetensors"
 SD3_NAME = "int8accel_random_sd3.safetensors"
 SD3_DEPTH = 8
+# Bumped whenever the weights a build writes change; a cached file with another version is rebuilt.
+FACTORY_VERSION = "2"
 
 # The SDXL base UNet as ComfyUI's model detection describes it.
 SDXL_UNET = {
@@ -122,11 +124,21 @@ def build_sd3_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _factory_version(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return (handle.metadata() or {}).get("int8accel_factory")
+    except Exception:  # noqa: BLE001  an unreadable or truncated file is rebuilt
+        return None
+
+
 def _ensure(comfy_root: Path, name: str, builder, what: str, seed: int) -> Path:
     from safetensors.torch import save_file
 
     target = Path(comfy_root) / "models" / "checkpoints" / name
-    if target.is_file():
+    if target.is_file() and _factory_version(target) == FACTORY_VERSION:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -134,7 +146,8 @@ def _ensure(comfy_root: Path, name: str, builder, what: str, seed: int) -> Path:
     state = builder(seed)
     partial = target.with_suffix(".partial")
     save_file({k: v.contiguous() for k, v in state.items()}, str(partial),
-              metadata={"comment": f"random weights, {what} architecture, made by comfyui-int8-accel"})
+              metadata={"comment": f"random weights, {what} architecture, made by comfyui-int8-accel",
+                        "int8accel_factory": FACTORY_VERSION})
     del state
     partial.rename(target)
     print(f"[make_more_checkpoints] {what} done in {time.time() - start:.0f} s", file=sys.stderr)
@@ -161,8 +174,10 @@ ENSURE = {"sdxl": ensure_sdxl_checkpoint, "sdxl_vega": ensure_sdxl_vega_checkpoi
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kinds", nargs="*", default=["sdxl_vega", "sd3"], choices=list(ENSURE))
+    parser.add_argument("kinds", nargs="*", metavar="KIND", choices=[*ENSURE, []],
+                        help=f"any of {', '.join(ENSURE)} (default: sdxl_vega sd3)")
     args = parser.parse_args()
+    args.kinds = args.kinds or ["sdxl_vega", "sd3"]
     sys.path.insert(0, str(REPO_ROOT))
     from tests.support.comfy_host import import_comfy
 

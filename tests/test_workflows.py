@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import time
 
 import pytest
@@ -10,6 +12,7 @@ from PIL import Image
 
 from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoints is a fixture)
     ARTIFACTS,
+    REPO_ROOT,
     VIRTUAL_NODE_TYPES,
     WORKFLOWS,
     load_api,
@@ -67,13 +70,24 @@ def test_ui_and_api_forms_agree(server):
         assert widget_problems(api, info) == [], name
 
 
+def _queue_with_curl_as_the_readme_does(server, name: str) -> str:
+    command = (f"curl -s -X POST {server.url}/prompt -H 'Content-Type: application/json' "
+               f"-d \"{{\\\"prompt\\\": $(cat workflows/api/{name}.json)}}\"")
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    done = subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    answer = json.loads(done.stdout)
+    assert done.returncode == 0 and answer.get("node_errors") == {}, done.stdout[:2000]
+    return answer["prompt_id"]
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.usefixtures("workflow_checkpoints")
 def test_shipped_api_workflow_runs_to_an_image(server, name):
     prompt = load_api(name)
     start = time.time()
-    result = server.run(prompt, timeout=600)
+    result = server.wait(_queue_with_curl_as_the_readme_does(server, name), timeout=600)
     seconds = time.time() - start
     history = result["history"]
     status = history.get("status", {})
