@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +121,24 @@ def _float_weight(q_weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor
 # ---- ops --------------------------------------------------------------------------------------------
 
 
-def linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _fbgemm_linear_pack(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None):
+    def build():
+        n = q_weight.shape[0]
+        with warnings.catch_warnings():  # quantized-tensor creation is deprecated; fbgemm's packing needs it
+            warnings.simplefilter("ignore")
+            w = torch._make_per_channel_quantized_tensor(q_weight.contiguous(), w_scale.double(), torch.zeros(n, dtype=torch.long), 0)
+            return torch.ops.quantized.linear_prepack(w, None if bias is None else bias.to(torch.float32).contiguous())
+
+    return CACHE.get(q_weight, (w_scale, bias), "fbgemm-linear", build)
+
+
+def fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines and torch.backends.quantized.engine in ("fbgemm", "x86")
+
+
+def linear(
+    x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, per_token: bool = True
+) -> torch.Tensor:
     n, k = q_weight.shape
     x2d = x.reshape(-1, k)
     m = x2d.shape[0]
@@ -128,7 +146,17 @@ def linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias:
     if m * k * n < LINEAR_MIN_MACS or k < MIN_REDUCTION or not native_available():
         y = F.linear(x2d.float(), _float_weight(q_weight, w_scale), bias32)
         return y.reshape(*x.shape[:-1], n).to(x.dtype)
+    if not per_token and fbgemm_available():
+        # One fused op: min/max, affine uint8 quantization, GEMM, rescale and bias.
+        y = torch.ops.quantized.linear_dynamic(x2d.float().contiguous(), _fbgemm_linear_pack(q_weight, w_scale, bias), False)
+        return y.reshape(*x.shape[:-1], n).to(x.dtype)
     packed, scale32, zeros = _linear_pack(q_weight, w_scale)
+    if not per_token:
+        xq, scale, zero_point = quantize_tensor_u8(x2d.contiguous())
+        y = torch.ops.onednn.qlinear_pointwise(
+            xq, float(scale), int(zero_point), packed, scale32, zeros, bias32, 1.0, 0, torch.float32, "none", [], ""
+        )
+        return y.reshape(*x.shape[:-1], n).to(x.dtype)
     xq, row_scale = quantize_rows_u8(x2d.contiguous())
     y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, packed, scale32, zeros, None, 1.0, 0, torch.float32, "none", [], "")
     if bias32 is None:

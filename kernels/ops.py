@@ -8,6 +8,7 @@ registered once, and the forced backend lives in one shared state object so both
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import types
 from collections.abc import Iterator, Sequence
@@ -22,6 +23,9 @@ _STATE_MODULE = "_int8_accel_backend_state"
 _state = sys.modules.setdefault(_STATE_MODULE, types.ModuleType(_STATE_MODULE))
 if not hasattr(_state, "backend"):
     _state.backend = "auto"
+if not hasattr(_state, "linear_granularity"):
+    _state.linear_granularity = os.environ.get("INT8_ACCEL_LINEAR_ACTIVATIONS", "token")
+LINEAR_GRANULARITIES = ("token", "tensor")
 
 
 def current_backend() -> str:
@@ -45,6 +49,19 @@ def force_backend(name: str) -> Iterator[None]:
         _state.backend = previous
 
 
+def linear_activation_granularity() -> str:
+    return _state.linear_granularity
+
+
+def set_linear_activation_granularity(name: str) -> None:
+    """How Linear activations are quantized on the CPU and in the reference: "token" (default: one scale per
+    row, outlier-robust) or "tensor" (one affine scale per call: fbgemm's single fused op, fewer passes).
+    The CUDA path always quantizes per token. Also settable with INT8_ACCEL_LINEAR_ACTIVATIONS."""
+    if name not in LINEAR_GRANULARITIES:
+        raise ValueError(f"unknown granularity {name!r}; expected one of {LINEAR_GRANULARITIES}")
+    _state.linear_granularity = name
+
+
 def _resolve(device: torch.device) -> str:
     backend = _state.backend
     if backend != "auto":
@@ -63,12 +80,12 @@ def _linear_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
     if backend == "cpu":
         from . import cpu_native
 
-        return cpu_native.linear(x, q_weight, w_scale, bias)
+        return cpu_native.linear(x, q_weight, w_scale, bias, per_token=_state.linear_granularity == "token")
     if backend in ("cuda", "cuda-torch"):
         from . import cuda_path
 
         return cuda_path.linear(x, q_weight, w_scale, bias, use_triton=backend == "cuda")
-    return reference.linear_reference(x, q_weight, w_scale, bias)
+    return reference.linear_reference(x, q_weight, w_scale, bias, per_token=_state.linear_granularity == "token")
 
 
 def _conv2d_impl(x, q_weight, w_scale, bias, stride, padding, dilation, groups) -> torch.Tensor:

@@ -11,10 +11,16 @@ import torch.nn.functional as F
 from .quant import affine_qparams, as_contiguous, dequantize_weight, quantize_affine_uint8, quantize_rows_symmetric
 
 
-def linear_reference(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_reference(
+    x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, per_token: bool = True
+) -> torch.Tensor:
     x2d = x.reshape(-1, x.shape[-1])
-    q, row_scale = quantize_rows_symmetric(x2d)
-    x_dq = q.to(torch.float32) * row_scale[:, None]
+    if per_token:
+        q, row_scale = quantize_rows_symmetric(x2d)
+        x_dq = q.to(torch.float32) * row_scale[:, None]
+    else:
+        scale, zero_point = affine_qparams(x2d)
+        x_dq = (quantize_affine_uint8(x2d, scale, zero_point).to(torch.float32) - zero_point) * scale
     y = F.linear(x_dq, dequantize_weight(q_weight, w_scale), None if bias is None else bias.to(torch.float32))
     return y.reshape(*x.shape[:-1], q_weight.shape[0]).to(x.dtype)
 

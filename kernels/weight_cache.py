@@ -28,9 +28,12 @@ class WeightCache:
         self._entries: dict[tuple, tuple[weakref.ref, tuple, Any]] = {}
         self._lock = threading.Lock()
 
-    def get(self, weight: torch.Tensor, scale: torch.Tensor | None, tag: str, build: Callable[[], Any]) -> Any:
+    def get(self, weight: torch.Tensor, deps: torch.Tensor | tuple | None, tag: str, build: Callable[[], Any]) -> Any:
+        """The cached `build()` for `weight`; rebuilt when `weight` or one of `deps` (scale, bias) changed."""
         key = (id(weight), tag)
-        stamp = (_stamp(weight), None if scale is None else (id(scale), _stamp(scale)))
+        if not isinstance(deps, tuple):
+            deps = (deps,)
+        stamp = (_stamp(weight), tuple(None if d is None else (id(d), _stamp(d)) for d in deps))
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == stamp:
             return entry[2]
