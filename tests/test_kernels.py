@@ -325,6 +325,15 @@ def test_prepacked_weights_are_cached_once_and_released():
     assert torch.equal(y1, y2)
     q.copy_(-q)  # an in-place change is seen (version counter): repacked, not stale
     assert torch.allclose(int8_linear(x, q, s, None), -(y1 - f32(b)), atol=1e-4)
+    q.data.copy_(-q)  # ComfyUI's copy_to_param: no version bump, caught by the content checksum
+    assert torch.allclose(int8_linear(x, q, s, f32(b)), y1, atol=1e-4)
+    with torch.inference_mode():  # inference tensors have no version counter at all
+        qi = q.clone()
+        yi = int8_linear(x, qi, s, None)
+        qi[:, :10] = 0
+        assert not torch.allclose(int8_linear(x, qi, s, None), yi, atol=1e-3)
+        assert torch.allclose(int8_linear(x, qi, s, None), F.linear(x, dequantize_weight(qi, s)), atol=0.05 * float(yi.abs().max()))
+    del qi
     del q
     gc.collect()
     assert len(CACHE) == before
