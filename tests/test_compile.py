@@ -1,0 +1,168 @@
+"""Compile Model node on tiny models with ComfyUI's real sampler (CPU; Inductor where it matters)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+from tests.support.tiny_models import build_tiny_model, sample
+
+KIND = "sd15"
+RTOL = 1e-4
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _tiny_model(seed: int = 0):
+    """The tiny SD1.5 with norm scales that are not all zero (so GroupNorm+SiLU paths carry signal)."""
+    model = build_tiny_model(KIND, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for module in model.model.diffusion_model.modules():
+            if isinstance(module, (torch.nn.GroupNorm, torch.nn.LayerNorm)) and module.weight is not None:
+                module.weight.copy_(1.0 + 0.1 * torch.randn(module.weight.shape, generator=gen))
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
+    return model
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def cm(pack):
+    return importlib.import_module("comfyui_int8_accel.nodes.compile_model")
+
+
+@pytest.fixture(scope="module")
+def node(pack):
+    return importlib.import_module("comfyui_int8_accel.nodes.compile_node").Int8AccelCompile()
+
+
+@pytest.fixture(scope="module")
+def base():
+    return _tiny_model()
+
+
+def _compile(node, model, backend="inductor", mode="default", dynamic="auto", fullgraph=False):
+    return node.compile(model, backend, mode, dynamic, fullgraph)[0]
+
+
+def test_node_spec(pack):
+    module = importlib.import_module("comfyui_int8_accel.nodes.compile_node")
+    assert module.NODE_DISPLAY_NAME_MAPPINGS == {"Int8AccelCompile": "Compile Model"}
+    cls = module.NODE_CLASS_MAPPINGS["Int8AccelCompile"]
+    assert (cls.CATEGORY, cls.FUNCTION, cls.RETURN_TYPES) == ("int8-accel", "compile", ("MODEL",))
+    required = cls.INPUT_TYPES()["required"]
+    assert list(required) == ["model", "backend", "mode", "dynamic", "fullgraph"]
+    assert required["backend"][0][0] == "inductor" and {"aot_eager", "eager"} <= set(required["backend"][0])
+    assert required["mode"][0] == ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+    assert required["dynamic"][0] == ["auto", "true", "false"]
+    assert required["fullgraph"][0] == "BOOLEAN" and required["fullgraph"][1]["default"] is False
+    assert all(spec[1].get("tooltip") for spec in required.values())
+    assert pack.NODE_CLASS_MAPPINGS["Int8AccelCompile"] is cls
+
+
+def test_inductor_matches_eager_and_leaves_model_untouched(node, cm, base, caplog):
+    eager = sample(base, KIND, steps=2, height=128, width=128)
+    compiled = _compile(node, base)
+    assert compiled is not base
+    before = _graphs()
+    with caplog.at_level(logging.INFO, logger=cm.__name__):
+        out = sample(compiled, KIND, steps=2, height=128, width=128)
+    assert _graphs() > before, "nothing was compiled"
+    assert _rel(out, eager) < RTOL
+    assert any("compiled group_norm_silu in" in r.getMessage() for r in caplog.records)
+    # nothing stays swapped in after the run, and the original MODEL still samples as before
+    assert not any("forward" in m.__dict__ for m in base.model.diffusion_model.modules())
+    assert torch.equal(sample(base, KIND, steps=2, height=128, width=128), eager)
+
+
+def _lora(model, strength: float):
+    sd = model.model.state_dict()
+    gen = torch.Generator().manual_seed(7)
+    keys = [
+        "diffusion_model.input_blocks.1.0.in_layers.2.weight",  # ResBlock conv (prepacked)
+        "diffusion_model.input_blocks.1.1.proj_in.weight",  # 1x1 conv
+        "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight",  # Linear (prepacked)
+        "diffusion_model.output_blocks.2.0.out_layers.0.weight",  # GroupNorm inside a compiled region
+    ]
+    patches = {k: (torch.randn(sd[k].shape, generator=gen) * 0.05,) for k in keys}
+    clone = model.clone()
+    clone.add_patches(patches, strength)
+    return clone
+
+
+def test_lora_after_compile_matches_eager_without_recompiling(node, base):
+    compiled = _compile(node, base)
+    plain = sample(base, KIND, steps=2)
+    sample(compiled, KIND, steps=2)  # compile first
+    graphs = [_graphs()]
+    for strength in (1.0, 0.5, 0.25):
+        eager_lora = sample(_lora(base, strength), KIND, steps=2)
+        compiled_lora = sample(_lora(compiled, strength), KIND, steps=2)
+        assert _rel(eager_lora, plain) > 1e-3, "the LoRA should change the output"
+        assert _rel(compiled_lora, eager_lora) < RTOL
+        graphs.append(_graphs())
+    assert graphs[-1] == graphs[0], f"a LoRA or strength change recompiled: {graphs}"
+    # and the LoRA is gone again for the compiled model without it
+    assert _rel(sample(compiled, KIND, steps=2), plain) < RTOL
+    assert _graphs() == graphs[-1]
+
+
+def test_lora_before_compile(node, base):
+    lora = _lora(base, 1.0)
+    eager = sample(lora, KIND, steps=2)
+    assert _rel(sample(_compile(node, lora), KIND, steps=2), eager) < RTOL
+
+
+def test_resolutions_compile_at_most_once_each(node, cm):
+    model = _tiny_model(seed=3)
+    compiled = _compile(node, model, dynamic="true")  # regions of its own (same graphs: cache hits)
+    regions = 2
+    sizes = [(64, 64), (96, 64), (128, 96)]
+    first_pass = []
+    for height, width in sizes:
+        before = _graphs()
+        sample(compiled, KIND, steps=1, height=height, width=width)
+        first_pass.append(_graphs() - before)
+    # the first run may take one extra graph per region: the tiny UNet has a GroupNorm with as many
+    # channels as groups (a size-1 dimension, which dynamic shapes specialise); full-size ones do not
+    assert 1 <= first_pass[0] <= 2 * regions, first_pass
+    assert all(n <= regions for n in first_pass[1:]), first_pass
+    before = _graphs()
+    for height, width in sizes:
+        sample(compiled, KIND, steps=1, height=height, width=width)
+    assert _graphs() == before, "a second pass over known resolutions recompiled"
+
+
+def test_unknown_backend_falls_back_to_eager(node, base, caplog):
+    eager = sample(base, KIND, steps=2)
+    with caplog.at_level(logging.WARNING):
+        compiled = _compile(node, base, backend="no_such_backend")
+    assert any("running eagerly" in r.getMessage() for r in caplog.records)
+    assert _rel(sample(compiled, KIND, steps=2), eager) < RTOL
+
+
+def test_backend_failing_at_compile_time_falls_back(node, cm, base, caplog):
+    from torch._dynamo import list_backends, register_backend
+
+    name = "int8accel_test_broken"
+    if name not in list_backends(exclude_tags=()):
+        @register_backend(name=name)
+        def broken(gm, example_inputs):
+            raise RuntimeError("simulated missing compiler")
+
+    eager = sample(base, KIND, steps=2)
+    compiled = cm.compile_model(base, cm.CompileSettings(backend=name))
+    with caplog.at_level(logging.WARNING):
+        out = sample(compiled, KIND, steps=2)
+    assert _rel(out, eager) < RTOL
+    assert any("running it eagerly" in r.getMessage() for r in caplog.records)
