@@ -48,7 +48,8 @@ def main() -> None:
 
     comfy_root = import_comfy()
     load_pack()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("comfyui_int8_accel.deepcache").setLevel(logging.INFO)
     import comfy.sample
     import comfy.sd
 
@@ -89,25 +90,35 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     images: dict[str, torch.Tensor] = {}
+    latents: dict[str, torch.Tensor] = {}
     for round_index in range(rounds):
         for name, patcher in variants.items():
             elapsed, samples = run(patcher)
             times[name].append(elapsed)
             if name not in images:
+                latents[name] = samples.clone()
                 with torch.inference_mode():
-                    images[name] = vae.decode(samples).clamp(0, 1)
+                    images[name] = vae.decode(samples).clamp(0, 1).clone()
             print(f"round {round_index + 1}/{rounds} {name:>11}: {elapsed:7.2f} s", flush=True)
 
     base_time = statistics.median(times["baseline"])
     rows = []
     for name in variants:
         median = statistics.median(times[name])
-        quality = "reference" if name == "baseline" else f"{psnr(images[name], images['baseline']):.2f} dB"
-        rows.append((name, median, base_time / median, quality, ", ".join(f"{t:.1f}" for t in times[name])))
+        if name == "baseline":
+            quality, latent_quality = "reference", "reference"
+        else:
+            quality = f"{psnr(images[name], images['baseline']):.2f} dB"
+            reference = latents["baseline"]
+            scale = float(reference.max() - reference.min())
+            latent_quality = f"{psnr(latents[name] / scale, reference / scale):.2f} dB"
+        rows.append((name, median, base_time / median, quality, latent_quality,
+                     ", ".join(f"{t:.1f}" for t in times[name])))
 
-    header = ("| config | median sampling time (s) | speed-up vs baseline | PSNR vs baseline image | runs (s) |\n"
-              "|---|---|---|---|---|")
-    table = "\n".join([header] + [f"| {n} | {m:.2f} | {r:.2f}x | {q} | {runs} |" for n, m, r, q, runs in rows])
+    header = ("| config | median sampling time (s) | speed-up vs baseline | PSNR vs baseline image "
+              "| PSNR vs baseline latent (peak = its range) | runs (s) |\n|---|---|---|---|---|---|")
+    table = "\n".join([header] + [f"| {n} | {m:.2f} | {r:.2f}x | {q} | {lq} | {runs} |"
+                                  for n, m, r, q, lq, runs in rows])
     print("\n" + table)
     command = "bench/bench_deepcache.py" + (" --quick" if args.quick else "") + (
         f" --rounds {args.rounds}" if args.rounds else "") + (f" --depth {args.depth}" if args.depth != 1 else "")

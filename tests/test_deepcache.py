@@ -291,27 +291,27 @@ def _int8(pack, model):
     return quantized
 
 
-@pytest.mark.parametrize("order", ["deepcache_then_int8", "int8_then_deepcache"])
-def test_composes_with_int8_in_either_order(deepcache, models, pack, order):
+def test_composes_with_int8_in_either_order(deepcache, models, pack):
     model = models["sd15"]
     baseline = _sample(model, "sd15", steps=4)
-    int8_alone = _sample(_int8(pack, model), "sd15", steps=4)
-    if order == "deepcache_then_int8":
-        combined = _int8(pack, deepcache.apply_deepcache(model, cache_interval=2, cache_depth=1))
-    else:
-        combined = deepcache.apply_deepcache(_int8(pack, model), cache_interval=2, cache_depth=1)
-    with CallRecorder(model, "sd15") as rec:
-        out = _sample(combined, "sd15", steps=4)
-    per_step = len(rec.calls) // 4
-    assert rec.deep_calls == 2 * per_step
-    assert torch.isfinite(out).all()
-    assert _relative_error(out, int8_alone) < 0.5 and _relative_error(out, baseline) < 0.5
-    # interval 1 on top of INT8 is exactly INT8 alone
-    if order == "int8_then_deepcache":
-        exact = deepcache.apply_deepcache(_int8(pack, model), cache_interval=1, cache_depth=1)
-    else:
-        exact = _int8(pack, deepcache.apply_deepcache(model, cache_interval=1, cache_depth=1))
-    assert torch.equal(_sample(exact, "sd15", steps=4), int8_alone)
+    int8 = _int8(pack, model)
+    int8_alone = _sample(int8, "sd15", steps=4)
+    assert not torch.equal(int8_alone, baseline)
+    combinations = {
+        "int8 then deepcache": (deepcache.apply_deepcache(int8, cache_interval=2, cache_depth=1),
+                                deepcache.apply_deepcache(int8, cache_interval=1, cache_depth=1)),
+        "deepcache then int8": (_int8(pack, deepcache.apply_deepcache(model, cache_interval=2, cache_depth=1)),
+                                _int8(pack, deepcache.apply_deepcache(model, cache_interval=1, cache_depth=1))),
+    }
+    for order, (cached, exact) in combinations.items():
+        with CallRecorder(model, "sd15") as rec:
+            out = _sample(cached, "sd15", steps=4)
+        per_step = len(rec.calls) // 4
+        assert rec.deep_calls == 2 * per_step, order
+        assert torch.isfinite(out).all(), order
+        assert _relative_error(out, int8_alone) < 0.5, order
+        # interval 1 on top of INT8 is exactly INT8 alone
+        assert torch.equal(_sample(exact, "sd15", steps=4), int8_alone), order
     assert torch.equal(_sample(model, "sd15", steps=4), baseline)  # the base model is untouched
 
 
