@@ -385,3 +385,31 @@ def test_compile_fullgraph_matches_eager():
     assert torch.allclose(compiled(x), eager, atol=1e-5)
     compiled_inductor = torch.compile(net, fullgraph=True)
     assert torch.allclose(compiled_inductor(x), eager, atol=1e-5)
+
+
+def test_second_copy_of_the_package_shares_ops_and_backend_state():
+    """ComfyUI loads the pack as `<pack>.kernels` while tools import `kernels`: one op, one backend switch."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import kernels
+
+    root = Path(kernels.__file__).parent
+    spec = importlib.util.spec_from_file_location("int8_accel_kernels_copy", root / "__init__.py", submodule_search_locations=[str(root)])
+    copy = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = copy
+    try:
+        spec.loader.exec_module(copy)
+        assert copy.ops._linear_op is torch.ops.int8_accel.linear  # reused, not registered twice
+        w, b, q, s = make_linear(128, 256)
+        x = torch.randn(64, 256)
+        with kernels.force_backend("reference"):
+            y_ref = copy.int8_linear(x, q, s, f32(b))
+        with copy.force_backend("cuda-torch"):
+            assert kernels.ops.current_backend() == "cuda-torch"
+            y_cuda = kernels.int8_linear(x, q, s, f32(b))
+        assert normalized_mse(y_cuda, y_ref) < 1e-12
+    finally:
+        for name in [n for n in sys.modules if n == spec.name or n.startswith(spec.name + ".")]:
+            del sys.modules[name]
