@@ -260,7 +260,6 @@ def _prepackable(module: torch.nn.Module) -> bool:
 @dataclasses.dataclass
 class _Packed:
     weight_ref: weakref.ref
-    version: int
     stamp: Any
     packed: torch.Tensor
 
@@ -269,18 +268,23 @@ class _Packed:
 _packed_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _version(tensor: torch.Tensor) -> int:
-    # inference tensors (e.g. a LoRA-patched weight made under inference_mode) have no version
-    # counter; ComfyUI replaces those rather than writing into them, which identity catches
-    return -1 if tensor.is_inference() else tensor._version
+def _fingerprint(weight: torch.Tensor) -> tuple:
+    """Cheap change detector for a weight. ComfyUI restores and hook-patches weights in place with
+    `param.data.copy_()`, which bumps no version counter (and inference tensors have none), so a
+    strided sample of the raw words is summed too: such writes rewrite the whole tensor."""
+    version = -1 if weight.is_inference() else weight._version
+    flat = weight.detach().reshape(-1).view(torch.int32)
+    step = max(1, flat.numel() // 2048)
+    return version, weight.data_ptr(), int(flat[::step].sum())
 
 
 def _packed_weight(module: torch.nn.Module, stamp: Any, pack: Callable[[], torch.Tensor]) -> torch.Tensor:
     entry = _packed_weights.get(module)
     weight = module.weight
-    if entry is None or entry.weight_ref() is not weight or entry.version != _version(weight) or entry.stamp != stamp:
+    fingerprint = (stamp, _fingerprint(weight))
+    if entry is None or entry.weight_ref() is not weight or entry.stamp != fingerprint:
         with torch.no_grad():
-            entry = _Packed(weakref.ref(weight), _version(weight), stamp, pack())
+            entry = _Packed(weakref.ref(weight), fingerprint, pack())
         _packed_weights[module] = entry
     return entry.packed
 
@@ -427,8 +431,11 @@ def make_apply_model_wrapper(regions: dict[str, CompiledRegion], *, prepack: boo
     return apply_model_wrapper
 
 
-def compile_model(model, settings: CompileSettings):
-    """A clone of `model` (a ModelPatcher) whose diffusion model runs through the compiled pieces."""
+def compile_model(model, settings: CompileSettings, *, regions: bool = True, prepack: bool = True,
+                  sdpa: bool = True):
+    """A clone of `model` (a ModelPatcher) whose diffusion model runs through the compiled pieces.
+
+    `regions`, `prepack` and `sdpa` switch the three parts off one by one (for benchmarks)."""
     import comfy.model_management
     import comfy.patcher_extension
 
@@ -439,16 +446,16 @@ def compile_model(model, settings: CompileSettings):
         log.warning("int8-accel compile: %s; running eagerly instead (the prompt still runs).", problem)
     elif settings.backend == "inductor":
         ensure_persistent_cache()
-    regions = compiled_regions(settings, problem)
+    compiled_pieces = compiled_regions(settings, problem if regions else "regions off")
     on_cpu = device.type == "cpu"
 
     compiled = model.clone()
     compiled.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
     compiled.add_wrapper_with_key(
         comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
-        make_apply_model_wrapper(regions, prepack=on_cpu and prepacking_supported()),
+        make_apply_model_wrapper(compiled_pieces, prepack=prepack and on_cpu and prepacking_supported()),
     )
-    if on_cpu:
+    if on_cpu and sdpa:
         transformer_options = compiled.model_options.setdefault("transformer_options", {})
         previous = transformer_options.get("optimized_attention_override")
         if not getattr(previous, "_int8_accel_sdpa", False):

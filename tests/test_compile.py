@@ -166,3 +166,37 @@ def test_backend_failing_at_compile_time_falls_back(node, cm, base, caplog):
         out = sample(compiled, KIND, steps=2)
     assert _rel(out, eager) < RTOL
     assert any("running it eagerly" in r.getMessage() for r in caplog.records)
+
+
+def _quantized(model):
+    quantize_node = importlib.import_module("comfyui_int8_accel.nodes.quantize_node")
+    # density threshold 0: the tiny UNet's layers are far below the full-size default
+    quantized, report = quantize_node.Int8AccelQuantize().quantize(model, 8, "enable", "enable", 1.0, 1.0, 0)
+    return quantized, report
+
+
+def test_int8_then_compile_matches_int8_eager(node, base):
+    plain = sample(base, KIND, steps=3)
+    quantized, report = _quantized(base)
+    eager = sample(quantized, KIND, steps=3)
+    assert _rel(eager, plain) > 1e-5, f"INT8 changed nothing: {report}"
+    compiled = sample(_compile(node, quantized), KIND, steps=3)
+    assert _rel(compiled, eager) < 1e-3
+
+
+def test_compile_then_int8_matches_int8_eager(node, base):
+    quantized, _ = _quantized(base)
+    eager = sample(quantized, KIND, steps=3)
+    compiled_first, _ = _quantized(_compile(node, base))
+    assert _rel(sample(compiled_first, KIND, steps=3), eager) < 1e-3
+
+
+def test_deepcache_and_compile_match_deepcache_eager(node, base):
+    deepcache_node = importlib.import_module("comfyui_int8_accel.nodes.deepcache_node")
+    plain = sample(base, KIND, steps=6)
+    cached = deepcache_node.apply_deepcache(base, cache_interval=3, cache_depth=1)
+    eager = sample(cached, KIND, steps=6)
+    assert _rel(eager, plain) > 1e-5, "DeepCache skipped nothing"
+    assert _rel(sample(_compile(node, cached), KIND, steps=6), eager) < RTOL
+    compiled_first = deepcache_node.apply_deepcache(_compile(node, base), cache_interval=3, cache_depth=1)
+    assert _rel(sample(compiled_first, KIND, steps=6), eager) < RTOL
