@@ -82,7 +82,9 @@ class _CompiledOrEager:
                     with self._lock:
                         if self._compiled is None:
                             self._compiled = torch.compile(self._eager, dynamic=True, fullgraph=True)
-                return self._compiled(*args)
+                # Always float32 and no_grad, so dynamo keeps one graph (no recompiles per dtype or grad mode).
+                with torch.no_grad():
+                    return self._compiled(*(a.float() for a in args))
             except Exception as exc:  # no C++ compiler, unsupported platform, ...
                 log.warning("int8-accel: compiled activation quantizer unavailable (%s); using eager ops", exc)
                 self._broken = True
