@@ -132,24 +132,33 @@ class ComfyServer:
     def history(self, prompt_id: str) -> dict:
         return self.get(f"/history/{prompt_id}").json().get(prompt_id, {})
 
+    def connect(self):
+        """A websocket on /ws for this client id (open it before queueing so no event is missed)."""
+        import websocket
+
+        return websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=5)
+
     def wait(self, prompt_id: str, timeout: float = 900.0,
-             on_event: Callable[[dict], None] | None = None) -> dict:
+             on_event: Callable[[dict], None] | None = None, ws=None) -> dict:
         """Follow the websocket until `prompt_id` finishes; return its /history entry plus the events seen."""
         import websocket
 
-        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={self.client_id}", timeout=5)
+        ws = ws or self.connect()
         events: list[dict] = []
         deadline = time.time() + timeout
         try:
             while time.time() < deadline:
-                entry = self.history(prompt_id)
-                if entry.get("status", {}).get("completed") or entry.get("status", {}).get("status_str") == "error":
-                    break
-                if not self.alive():
-                    raise ComfyServerError(f"ComfyUI died while running {prompt_id}:\n{self.log_tail()}")
                 try:
                     message = ws.recv()
                 except websocket.WebSocketTimeoutException:
+                    if not self.alive():
+                        raise ComfyServerError(f"ComfyUI died while running {prompt_id}:\n{self.log_tail()}") from None
+                    status = self.history(prompt_id).get("status", {})
+                    if status.get("completed") is not None and status.get("messages"):
+                        events.extend({"type": kind, "data": data, "from_history": True}
+                                      for kind, data in status["messages"] if kind not in
+                                      {e["type"] for e in events})
+                        break  # finished while we were not listening
                     continue
                 if not isinstance(message, str):
                     continue  # binary preview frames
@@ -166,7 +175,8 @@ class ComfyServer:
                 raise ComfyServerError(f"prompt {prompt_id} did not finish within {timeout} s")
         finally:
             ws.close()
-        for _ in range(50):  # history is written just after the final event
+        entry = {}
+        for _ in range(100):  # history is written just after the final event
             entry = self.history(prompt_id)
             if entry.get("status", {}).get("completed") is not None:
                 break
@@ -174,7 +184,13 @@ class ComfyServer:
         return {"history": entry, "events": events}
 
     def run(self, prompt: dict, timeout: float = 900.0, on_event: Callable[[dict], None] | None = None) -> dict:
-        return self.wait(self.queue(prompt), timeout=timeout, on_event=on_event)
+        ws = self.connect()
+        try:
+            prompt_id = self.queue(prompt)
+        except Exception:
+            ws.close()
+            raise
+        return self.wait(prompt_id, timeout=timeout, on_event=on_event, ws=ws)
 
     def output_images(self, history_entry: dict) -> list[Path]:
         paths = []

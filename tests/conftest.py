@@ -45,13 +45,14 @@ def sd15_checkpoint(comfy_root) -> str:
 
 
 @pytest.fixture(scope="session")
-def server(comfy_root, sd15_checkpoint):
+def server(comfy_root, sd15_checkpoint, tmp_path_factory):
     """One real ComfyUI server with the pack, on a free 127.0.0.1 port; always stopped at the end."""
     from scripts.comfy_server import ComfyServer
     from scripts.setup_links import link_pack
 
     link_pack(comfy_root)
-    srv = ComfyServer(comfy_root)
+    cache = tmp_path_factory.mktemp("int8-calibration")
+    srv = ComfyServer(comfy_root, env={"INT8_ACCEL_CACHE_DIR": str(cache)})
     try:
         srv.start()
         yield srv
