@@ -67,16 +67,21 @@ def quantize_tensor_u8_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 class _CompiledOrEager:
-    """Calls a torch.compile'd version of `fn`; on the first failure logs once and stays eager for good."""
+    """Calls a torch.compile'd version of `fn`; on the first failure logs once and stays eager for good.
 
-    def __init__(self, fn) -> None:
+    Inputs under `min_numel` elements run eager: there the compiled call's fixed cost (guards, wrapper,
+    ~0.1 ms) exceeds what fusion saves (measured: on par up to ~0.6 M elements, compiled 2-3x faster from 1.3 M).
+    """
+
+    def __init__(self, fn, min_numel: int = 1 << 19) -> None:
         self._eager = fn
+        self._min_numel = min_numel
         self._compiled = None
         self._broken = os.environ.get("INT8_ACCEL_COMPILE_QUANTIZER", "1") == "0"
         self._lock = threading.Lock()
 
     def __call__(self, *args):
-        if not self._broken:
+        if not self._broken and args[0].numel() >= self._min_numel:
             try:
                 if self._compiled is None:
                     with self._lock:

@@ -413,3 +413,21 @@ def test_second_copy_of_the_package_shares_ops_and_backend_state():
     finally:
         for name in [n for n in sys.modules if n == spec.name or n.startswith(spec.name + ".")]:
             del sys.modules[name]
+
+
+def test_compiled_quantizers_on_large_inputs_match_reference():
+    """Inputs above half a million elements go through the torch.compile'd quantizers."""
+    w, b, q, s = make_linear(128, 320, seed=11)
+    x = torch.randn(2048, 320)
+    y = int8_linear(x, q, s, f32(b))
+    with force_backend("reference"):
+        y_ref = int8_linear(x, q, s, f32(b))
+    assert normalized_mse(y, y_ref) < 1e-7
+    w, b, q, s = make_conv(64, 256, 3, 3, seed=12)
+    x = torch.randn(1, 256, 48, 48)
+    y = int8_conv2d(x, q, s, f32(b), 1, 1)
+    with force_backend("reference"):
+        y_ref = int8_conv2d(x, q, s, f32(b), 1, 1)
+    assert normalized_mse(y, y_ref) < 1e-7
+    for quantizer in (cpu_native.quantize_rows_u8, cpu_native.quantize_tensor_u8):
+        assert quantizer._compiled is not None and not quantizer._broken
