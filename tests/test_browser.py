@@ -21,6 +21,7 @@ from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoint
     VIRTUAL_NODE_TYPES,
     load_api,
     load_ui,
+    release_models_unless_sd15,
     strip_meta,
     workflow_checkpoints,
     workflow_names,
@@ -161,6 +162,7 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, name)
         " return n && n.imgs && n.imgs.length > 0 && n.imgs[0].complete; })", arg=save_ids, timeout=60_000)
     assert page.page_errors == [], page.page_errors
     print(f"{name}: ran from the page in {time.time() - start:.1f} s")
+    release_models_unless_sd15(server, name)
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.evaluate("() => window.app.extensionManager.command.execute('Comfy.Canvas.FitView')")

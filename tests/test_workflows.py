@@ -17,6 +17,7 @@ from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoint
     WORKFLOWS,
     load_api,
     load_ui,
+    release_models_unless_sd15,
     strip_meta,
     ui_graph_to_api,
     widget_problems,
@@ -111,6 +112,7 @@ def test_shipped_api_workflow_runs_to_an_image(server, name):
                 right = image.crop((width - latent["width"], 0, width, latent["height"])).tobytes()
                 assert left != right, "the accelerated half equals the baseline: the pack nodes did nothing"
     print(f"{name}: {seconds:.1f} s")
+    release_models_unless_sd15(server, name)
 
 
 @pytest.mark.server

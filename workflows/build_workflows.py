@@ -6,6 +6,8 @@ tests/test_workflows.py checks the two forms against each other with the server'
 tests/test_browser.py checks that the page turns each graph into exactly the shipped API prompt.
 
 Run after editing: .venv/bin/python workflows/build_workflows.py
+Thumbnails for the templates browser, from the browser test's screenshots:
+    .venv/bin/python workflows/build_workflows.py --thumbnails test-artifacts
 """
 
 from __future__ import annotations
@@ -299,7 +301,29 @@ def build_all() -> dict[str, tuple[dict, dict]]:
     return out
 
 
+def write_thumbnails(screenshots: Path) -> None:
+    """<name>.jpg beside each graph (the templates browser shows it on the card), made from the browser
+    test's screenshots of the graph after its run (test-artifacts/browser_<name>.png)."""
+    from PIL import Image
+
+    for name in build_all():
+        shot = screenshots / f"browser_{name}.png"
+        if shot.is_file():
+            with Image.open(shot) as image:
+                image = image.convert("RGB")
+                side = min(image.size)
+                left = (image.width - side) // 2
+                image.crop((left, 0, left + side, side)).resize((384, 384), Image.LANCZOS).save(
+                    HERE / f"{name}.jpg", quality=82)
+            print(f"{name}.jpg")
+
+
 def main() -> None:
+    import sys
+
+    if sys.argv[1:2] == ["--thumbnails"]:
+        write_thumbnails(Path(sys.argv[2]) if len(sys.argv) > 2 else HERE.parent / "test-artifacts")
+        return
     (HERE / "api").mkdir(exist_ok=True)
     for name, (ui, api) in build_all().items():
         (HERE / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")

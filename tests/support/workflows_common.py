@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import requests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO_ROOT / "workflows"
@@ -125,3 +126,11 @@ def widget_problems(prompt: dict, object_info: dict) -> list[str]:
                     problems.append(f"node {node_id} {node['class_type']}.{name}={value} outside "
                                     f"[{options.get('min')}, {options.get('max')}]")
     return problems
+
+
+def release_models_unless_sd15(server, name: str) -> None:
+    """Drop the SDXL / SD3 models and the execution cache after their workflow (POST /free), so one server
+    session never holds three model families at once on a 24 GB machine. SD1.5 stays: most tests share it."""
+    if not name.startswith("sd15"):
+        response = requests.post(f"{server.url}/free", json={"unload_models": True, "free_memory": True}, timeout=30)
+        assert response.status_code == 200
