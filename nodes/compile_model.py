@@ -6,9 +6,11 @@ freezing it cannot prepack their weights), while ComfyUI's Python-side attention
 the graph. So the model is optimised per piece, each swapped in only while the model runs (an
 ``APPLY_MODEL`` wrapper), so ModelPatcher keeps patching the real modules and LoRA keeps working:
 
-* compiled regions: the pointwise/norm chains (GroupNorm+SiLU in ResBlocks, the GEGLU gate), with
-  the chosen backend, mode and dynamic-shape policy. They take weights as inputs, so a LoRA or a
-  strength change never recompiles; dynamic shapes cover new resolutions.
+* compiled regions: the pointwise chains that Inductor fuses better than eager runs them (the GEGLU
+  gate of every transformer feed-forward), with the chosen backend, mode and dynamic-shape policy.
+  They take weights as inputs, so a LoRA or a strength change never recompiles; dynamic shapes cover
+  new resolutions. GroupNorm+SiLU was measured too and lost to ATen's GroupNorm here (dynamic
+  shapes), so it stays eager unless asked for (`group_norm_silu=True`).
 * on the CPU, the job Inductor's freezing pass would do without baking the weights in: fp32 Conv2d
   and Linear weights are prepacked once into oneDNN's blocked layout and reused while the weight
   is unchanged (a new LoRA repacks only what it changed).
@@ -375,7 +377,7 @@ def _group_norm_forwards() -> set:
 
 
 def plan_forwards(diffusion_model: torch.nn.Module, regions: dict[str, CompiledRegion], *,
-                  prepack: bool, stamp: Any) -> list[tuple[torch.nn.Module, Callable]]:
+                  prepack: bool, stamp: Any, group_norm_silu: bool = False) -> list[tuple[torch.nn.Module, Callable]]:
     """The (module, forward) replacements for this call, chosen from the modules present right now."""
     import comfy.ldm.modules.attention as attention
 
@@ -386,7 +388,7 @@ def plan_forwards(diffusion_model: torch.nn.Module, regions: dict[str, CompiledR
             continue  # someone already swapped this one's forward for the call: leave it
         cls = type(module)
         if isinstance(module, torch.nn.Sequential) and len(module) >= 3:
-            if _is_plain_group_norm(module[0]) and type(module[1]) is torch.nn.SiLU:
+            if group_norm_silu and _is_plain_group_norm(module[0]) and type(module[1]) is torch.nn.SiLU:
                 plan.append((module, _norm_silu_sequential(module, regions)))
         elif cls is attention.GEGLU:
             plan.append((module, _geglu(module, regions)))
@@ -412,14 +414,15 @@ def _sdpa_attention_override(previous: Callable | None) -> Callable:
     return override
 
 
-def make_apply_model_wrapper(regions: dict[str, CompiledRegion], *, prepack: bool) -> Callable:
+def make_apply_model_wrapper(regions: dict[str, CompiledRegion], *, prepack: bool,
+                             group_norm_silu: bool = False) -> Callable:
     def apply_model_wrapper(executor, *args, **kwargs):
         base_model = executor.class_obj
         diffusion_model = base_model.diffusion_model
         device = getattr(base_model, "device", None) or torch.device("cpu")
         stamp = getattr(base_model, "current_weight_patches_uuid", None)
         plan = plan_forwards(diffusion_model, regions, prepack=prepack and torch.device(device).type == "cpu",
-                             stamp=stamp)
+                             stamp=stamp, group_norm_silu=group_norm_silu)
         for module, forward in plan:
             module.forward = forward
         try:
@@ -432,10 +435,11 @@ def make_apply_model_wrapper(regions: dict[str, CompiledRegion], *, prepack: boo
 
 
 def compile_model(model, settings: CompileSettings, *, regions: bool = True, prepack: bool = True,
-                  sdpa: bool = True):
+                  sdpa: bool = True, group_norm_silu: bool = False):
     """A clone of `model` (a ModelPatcher) whose diffusion model runs through the compiled pieces.
 
-    `regions`, `prepack` and `sdpa` switch the three parts off one by one (for benchmarks)."""
+    `regions`, `prepack` and `sdpa` switch the three parts off one by one, `group_norm_silu` adds the
+    GroupNorm+SiLU region that lost here (for benchmarks and other devices)."""
     import comfy.model_management
     import comfy.patcher_extension
 
@@ -453,7 +457,8 @@ def compile_model(model, settings: CompileSettings, *, regions: bool = True, pre
     compiled.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
     compiled.add_wrapper_with_key(
         comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
-        make_apply_model_wrapper(compiled_pieces, prepack=prepack and on_cpu and prepacking_supported()),
+        make_apply_model_wrapper(compiled_pieces, prepack=prepack and on_cpu and prepacking_supported(),
+                                 group_norm_silu=group_norm_silu),
     )
     if on_cpu and sdpa:
         transformer_options = compiled.model_options.setdefault("transformer_options", {})

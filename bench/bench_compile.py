@@ -1,0 +1,177 @@
+"""Compile Model on the full-size SD1.5 architecture (random weights), CPU: eager vs compile strategies.
+
+Part A: sampling time of eager vs each compile strategy at one size, same process, runs interleaved
+(rounds of every strategy), medians; the first run of each strategy (which compiles) is reported apart.
+Part B (when the INT8 and DeepCache nodes exist): the full stack Quantize -> DeepCache -> Compile vs the
+plain model at 512x512, 20 steps, with the PSNR of the decoded image against the plain model's.
+
+    .venv/bin/python -m bench.bench_compile            # full run, writes bench/results/compile.md
+    .venv/bin/python -m bench.bench_compile --quick    # small sizes, writes bench/results/compile_quick.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import time
+
+import torch
+
+from bench.common import encode, load_sd15, psnr, timed_sample, write_table
+
+
+def _modules():
+    compile_model = importlib.import_module("comfyui_int8_accel.nodes.compile_model")
+    try:
+        quantize = importlib.import_module("comfyui_int8_accel.nodes.quantize_node")
+        deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache_node")
+    except ModuleNotFoundError:
+        quantize = deepcache = None
+    return compile_model, quantize, deepcache
+
+
+def _core_torch_compile(model):
+    """ComfyUI core's TorchCompileModel: the whole diffusion model through Inductor."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    clone = model.clone()
+    set_torch_compile_wrapper(clone, backend="inductor")
+    return clone
+
+
+def part_a(model, vae, positive, negative, *, size: int, steps: int, rounds: int, with_core: bool):
+    cm, _, _ = _modules()
+    inductor = cm.CompileSettings()
+    strategies = {
+        "eager (baseline)": model,
+        "Compile Model node (GEGLU region + prepack + SDPA)": cm.compile_model(model, inductor),
+        "node + compiled GroupNorm+SiLU region": cm.compile_model(model, inductor, group_norm_silu=True),
+        "prepacked conv/linear + SDPA, nothing compiled": cm.compile_model(model, inductor, regions=False),
+        "prepacked conv/linear only": cm.compile_model(model, inductor, regions=False, sdpa=False),
+    }
+    if with_core:
+        strategies["core TorchCompileModel (whole UNet)"] = _core_torch_compile(model)
+    first: dict[str, float] = {}
+    times: dict[str, list[float]] = {name: [] for name in strategies}
+    latents: dict[str, torch.Tensor] = {}
+    for name, candidate in strategies.items():
+        run = timed_sample(candidate, vae, positive, negative, size=size, steps=steps, decode=False)
+        first[name] = run.seconds_sampling
+        latents[name] = run.latent
+        print(f"first run {name}: {run.seconds_sampling:.1f} s", flush=True)
+    for round_index in range(rounds):
+        for name, candidate in strategies.items():
+            run = timed_sample(candidate, vae, positive, negative, size=size, steps=steps, decode=False)
+            times[name].append(run.seconds_sampling)
+            print(f"round {round_index} {name}: {run.seconds_sampling:.1f} s", flush=True)
+    base = statistics.median(times["eager (baseline)"])
+    reference = latents["eager (baseline)"]
+    rows = []
+    for name in strategies:
+        med = statistics.median(times[name])
+        rel = float((latents[name].double() - reference.double()).norm() / reference.double().norm())
+        rows.append([name, f"{first[name]:.1f}", f"{med:.1f}", " / ".join(f"{t:.1f}" for t in times[name]),
+                     f"{base / med:.2f}x", f"{rel:.1e}"])
+    return rows
+
+
+def part_b(model, vae, positive, negative, *, size: int, steps: int, with_compile_only: bool):
+    cm, quantize, deepcache = _modules()
+    q_model, _report = quantize.Int8AccelQuantize().quantize(model, 8, "enable", "enable", 0.1, 0.1, 300)
+    stack = cm.compile_model(deepcache.apply_deepcache(q_model, cache_interval=3, cache_depth=1),
+                             cm.CompileSettings())
+    runs = {}
+    rows = []
+    baseline = timed_sample(model, vae, positive, negative, size=size, steps=steps)
+    print(f"baseline: {baseline.seconds_sampling:.1f} s", flush=True)
+    candidates = {"INT8 + DeepCache(interval 3, depth 1) + Compile": stack}
+    if with_compile_only:
+        candidates = {"Compile Model alone": cm.compile_model(model, cm.CompileSettings()), **candidates}
+    for name, candidate in candidates.items():
+        first = timed_sample(candidate, vae, positive, negative, size=size, steps=steps)
+        print(f"{name} first run: {first.seconds_sampling:.1f} s", flush=True)
+        runs[name] = (first, timed_sample(candidate, vae, positive, negative, size=size, steps=steps))
+        print(f"{name} second run: {runs[name][1].seconds_sampling:.1f} s", flush=True)
+    rows.append(["plain model (baseline)", "-", f"{baseline.seconds_sampling:.1f}", "1.00x", "inf", "inf"])
+    for name, (first, steady) in runs.items():
+        rows.append([name, f"{first.seconds_sampling:.1f}", f"{steady.seconds_sampling:.1f}",
+                     f"{baseline.seconds_sampling / steady.seconds_sampling:.2f}x",
+                     f"{psnr(steady.image, baseline.image, peak=1.0):.1f}",
+                     f"{psnr(steady.latent, baseline.latent):.1f}"])
+    return rows
+
+
+def _write(name: str, title: str, rows_a, notes, rows_b, size_b: int, steps_b: int) -> None:
+    from bench.common import REPO_ROOT
+
+    header = ["strategy", "first run s", "median s", "runs s", "vs eager", "rel. diff"]
+    path = write_table(name, title, header, rows_a, notes)
+    if rows_b is None:
+        return
+    header_b = ["pipeline", "first run s", "sampling s", "speed vs plain", "image PSNR dB", "latent PSNR dB"]
+    widths = [max(len(str(r[i])) for r in [header_b] + rows_b) for i in range(len(header_b))]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    extra = ["", f"## Full stack at {size_b}x{size_b}, {steps_b} steps", "", line(header_b),
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows_b]
+    extra += ["", "- Sampling time only (VAE decode excluded); 'first run' includes INT8 calibration (first step) "
+              "and compiling, and is excluded from the speed ratio, which uses the second run.",
+              "- Image PSNR: decoded images in [0, 1] against the plain model's (same seed, prompt, sampler). "
+              "Random weights: PSNR shows how far the pipeline drifts, not image quality.",
+              "- Quantize Model defaults (MSE thresholds 0.1, density 300); DeepCache interval 3, depth 1; "
+              "Compile Model defaults (inductor)."]
+    (REPO_ROOT / "bench" / "results" / f"{name}.md").write_text(path.read_text() + "\n".join(extra) + "\n")
+    print("\n".join(extra))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes and few steps (a smoke run)")
+    parser.add_argument("--core", action="store_true", help="also time core TorchCompileModel (long compile)")
+    parser.add_argument("--no-stack", action="store_true", help="skip part B")
+    parser.add_argument("--stack-size", type=int, default=None, help="part B image size (default 512)")
+    parser.add_argument("--stack-steps", type=int, default=None, help="part B steps (default 20)")
+    parser.add_argument("--rounds", type=int, default=None, help="part A rounds after the first run")
+    args = parser.parse_args()
+    quick = args.quick
+    size_a, steps_a, rounds = (128, 2, 1) if quick else (256, 4, 2)
+    size_b, steps_b = (256, 6) if quick else (512, 20)
+    size_b, steps_b = args.stack_size or size_b, args.stack_steps or steps_b
+    rounds = args.rounds or rounds
+
+    torch.manual_seed(0)
+    model, clip, vae = load_sd15()
+    positive, negative = encode(clip, "a photograph of a lighthouse"), encode(clip, "")
+    start = time.perf_counter()
+    rows_a = part_a(model, vae, positive, negative, size=size_a, steps=steps_a, rounds=rounds, with_core=args.core)
+    name = "compile_quick" if quick else "compile"
+    title = "Compile Model: eager vs compile strategies (CPU)"
+
+    def notes() -> list[str]:
+        load = os.getloadavg()
+        return [
+            f"Part A: {size_a}x{size_a}, {steps_a} euler steps, cfg 7 (UNet batch 2), full-size SD1.5 UNet with "
+            f"random weights, fp32, CPU ({os.cpu_count()} cores, torch {torch.__version__}). Runs interleaved, "
+            f"{rounds} round(s) after a first run per strategy; 'first run' includes compiling (with whatever "
+            "Inductor cache this machine had).",
+            "rel. diff: relative L2 difference of the sampled latent against eager.",
+            f"The machine was shared with other sessions while this ran (load average {load[0]:.1f} / "
+            f"{load[1]:.1f} / {load[2]:.1f} when written, on {os.cpu_count()} cores): absolute times are noisy; "
+            "ratios come from interleaved runs in one process.",
+            f"Bench time so far {(time.perf_counter() - start) / 60:.1f} min. Command: "
+            f"`.venv/bin/python -m bench.bench_compile{' --quick' if quick else ''}`.",
+        ]
+
+    _write(name, title, rows_a, notes(), None, size_b, steps_b)  # part A lands even if part B is cut short
+    _, quantize, deepcache = _modules()
+    if quantize is not None and deepcache is not None and not args.no_stack:
+        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b, with_compile_only=False)
+        _write(name, title, rows_a, notes(), rows_b, size_b, steps_b)
+
+
+if __name__ == "__main__":
+    main()
