@@ -247,9 +247,13 @@ def deepcache_predict_noise(executor, *args, **kwargs):
     timestep = args[1] if len(args) > 1 else kwargs["timestep"]
     model_options = args[2] if len(args) > 2 else kwargs.get("model_options", {})
     run = current_run(model_options.get("transformer_options"))
-    if run is not None:
-        run.begin_evaluation(timestep)
-    return executor(*args, **kwargs)
+    if run is None:
+        return executor(*args, **kwargs)
+    run.begin_evaluation(timestep)
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        run.mode = Mode.FULL  # a model call outside a sampler evaluation never reuses the cache
 
 
 def deepcache_apply_model(executor, *args, **kwargs):
