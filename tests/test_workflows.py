@@ -125,3 +125,5 @@ def test_workflows_are_listed_and_served_as_templates(server):
         served = server.get(f"/api/workflow_templates/{LINK_NAME}/{name}.json")
         assert served.status_code == 200
         assert served.json() == load_ui(name)
+        thumbnail = server.get(f"/api/workflow_templates/{LINK_NAME}/{name}.jpg")  # the templates card's image
+        assert thumbnail.status_code == 200 and thumbnail.content == (WORKFLOWS / f"{name}.jpg").read_bytes()

@@ -310,11 +310,11 @@ def write_thumbnails(screenshots: Path) -> None:
         shot = screenshots / f"browser_{name}.png"
         if shot.is_file():
             with Image.open(shot) as image:
-                image = image.convert("RGB")
-                side = min(image.size)
-                left = (image.width - side) // 2
-                image.crop((left, 0, left + side, side)).resize((384, 384), Image.LANCZOS).save(
-                    HERE / f"{name}.jpg", quality=82)
+                canvas = image.convert("RGB").crop((60, 40, image.width, image.height))  # no sidebar, tabs
+                side = max(canvas.size)
+                square = Image.new("RGB", (side, side), canvas.getpixel((canvas.width - 5, canvas.height // 2)))
+                square.paste(canvas, (0, (side - canvas.height) // 2))
+                square.resize((480, 480), Image.LANCZOS).save(HERE / f"{name}.jpg", quality=85)
             print(f"{name}.jpg")
 
 
