@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--stack-size", type=int, default=None, help="part B image size (default 512)")
     parser.add_argument("--stack-steps", type=int, default=None, help="part B steps (default 20)")
     parser.add_argument("--rounds", type=int, default=None, help="part A rounds after the first run")
+    parser.add_argument("--only-stack", action="store_true",
+                        help="part B only, written to bench/results/compile_stack.md")
     args = parser.parse_args()
     quick = args.quick
     size_a, steps_a, rounds = (128, 2, 1) if quick else (256, 4, 2)
@@ -147,6 +149,15 @@ def main() -> None:
     model, clip, vae = load_sd15()
     positive, negative = encode(clip, "a photograph of a lighthouse"), encode(clip, "")
     start = time.perf_counter()
+    if args.only_stack:
+        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b, with_compile_only=False)
+        load = os.getloadavg()
+        note = (f"Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written (2 shared cores). "
+                f"Command: `.venv/bin/python -m bench.bench_compile --only-stack`; "
+                f"{(time.perf_counter() - start) / 60:.1f} min.")
+        _write("compile_stack", "Compile Model: full stack vs plain model (CPU)",
+               [["(part A not run)", "-", "-", "-", "-", "-"]], [note], rows_b, size_b, steps_b)
+        return
     rows_a = part_a(model, vae, positive, negative, size=size_a, steps=steps_a, rounds=rounds, with_core=args.core)
     name = "compile_quick" if quick else "compile"
     title = "Compile Model: eager vs compile strategies (CPU)"
