@@ -77,9 +77,9 @@ def part_a(model, vae, positive, negative, *, size: int, steps: int, rounds: int
     return rows
 
 
-def part_b(model, vae, positive, negative, *, size: int, steps: int, with_compile_only: bool):
+def part_b(model, vae, positive, negative, *, size: int, steps: int, with_compile_only: bool, density: int = 300):
     cm, quantize, deepcache = _modules()
-    q_model, _report = quantize.Int8AccelQuantize().quantize(model, 8, "enable", "enable", 0.1, 0.1, 300)
+    q_model, _report = quantize.Int8AccelQuantize().quantize(model, 8, "enable", "enable", 0.1, 0.1, density)
     stack = cm.compile_model(deepcache.apply_deepcache(q_model, cache_interval=3, cache_depth=1),
                              cm.CompileSettings())
     runs = {}
@@ -122,10 +122,13 @@ def _write(name: str, title: str, rows_a, notes, rows_b, size_b: int, steps_b: i
               "and compiling, and is excluded from the speed ratio, which uses the second run.",
               "- Image PSNR: decoded images in [0, 1] against the plain model's (same seed, prompt, sampler). "
               "Random weights: PSNR shows how far the pipeline drifts, not image quality.",
-              "- Quantize Model defaults (MSE thresholds 0.1, density 300); DeepCache interval 3, depth 1; "
+              f"- Quantize Model: MSE thresholds 0.1, compute_density_threshold {STACK_DENSITY[0]}; DeepCache interval 3, depth 1; "
               "Compile Model defaults (inductor)."]
     (REPO_ROOT / "bench" / "results" / f"{name}.md").write_text(path.read_text() + "\n".join(extra) + "\n")
     print("\n".join(extra))
+
+
+STACK_DENSITY = [300]  # set from --stack-density; read by the part B notes
 
 
 def main() -> None:
@@ -133,12 +136,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes and few steps (a smoke run)")
     parser.add_argument("--core", action="store_true", help="also time core TorchCompileModel (long compile)")
     parser.add_argument("--no-stack", action="store_true", help="skip part B")
+    parser.add_argument("--stack-density", type=int, default=300,
+                        help="compute_density_threshold of the Quantize node in part B (0: every layer competes)")
     parser.add_argument("--stack-size", type=int, default=None, help="part B image size (default 512)")
     parser.add_argument("--stack-steps", type=int, default=None, help="part B steps (default 20)")
     parser.add_argument("--rounds", type=int, default=None, help="part A rounds after the first run")
     parser.add_argument("--only-stack", action="store_true",
                         help="part B only, written to bench/results/compile_stack.md")
     args = parser.parse_args()
+    STACK_DENSITY[0] = args.stack_density
     quick = args.quick
     size_a, steps_a, rounds = (128, 2, 1) if quick else (256, 4, 2)
     size_b, steps_b = (256, 6) if quick else (512, 20)
@@ -150,10 +156,11 @@ def main() -> None:
     positive, negative = encode(clip, "a photograph of a lighthouse"), encode(clip, "")
     start = time.perf_counter()
     if args.only_stack:
-        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b, with_compile_only=False)
+        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b, with_compile_only=False,
+                        density=STACK_DENSITY[0])
         load = os.getloadavg()
         note = (f"Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written (2 shared cores). "
-                f"Command: `.venv/bin/python -m bench.bench_compile --only-stack`; "
+                f"Command: `.venv/bin/python -m bench.bench_compile --only-stack --stack-density {STACK_DENSITY[0]}`; "
                 f"{(time.perf_counter() - start) / 60:.1f} min.")
         _write("compile_stack", "Compile Model: full stack vs plain model (CPU)",
                [["(part A not run)", "-", "-", "-", "-", "-"]], [note], rows_b, size_b, steps_b)
@@ -180,7 +187,8 @@ def main() -> None:
     _write(name, title, rows_a, notes(), None, size_b, steps_b)  # part A lands even if part B is cut short
     _, quantize, deepcache = _modules()
     if quantize is not None and deepcache is not None and not args.no_stack:
-        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b, with_compile_only=False)
+        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b, with_compile_only=False,
+                        density=STACK_DENSITY[0])
         _write(name, title, rows_a, notes(), rows_b, size_b, steps_b)
 
 

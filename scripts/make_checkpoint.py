@@ -75,21 +75,27 @@ def build_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
-def ensure_checkpoint(comfy_root: Path, name: str = DEFAULT_NAME, seed: int = 0) -> Path:
-    """Return the path of the random checkpoint in ComfyUI's models/checkpoints, building it if absent."""
+def write_checkpoint(target: Path, state: dict[str, torch.Tensor], what: str, metadata: dict | None = None) -> Path:
+    """Save `state` as fp16 safetensors at `target`, atomically (a killed build leaves no half file)."""
     from safetensors.torch import save_file
 
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(partial),
+              metadata={"comment": f"random weights, {what} architecture, made by comfyui-int8-accel",
+                        **(metadata or {})})
+    partial.rename(target)
+    return target
+
+
+def ensure_checkpoint(comfy_root: Path, name: str = DEFAULT_NAME, seed: int = 0) -> Path:
+    """Return the path of the random checkpoint in ComfyUI's models/checkpoints, building it if absent."""
     target = comfy_root / "models" / "checkpoints" / name
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     print(f"[make_checkpoint] building random SD1.5 checkpoint {target} (about 30 s)", file=sys.stderr)
-    state = build_state_dict(seed)
-    partial = target.with_suffix(".partial")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(partial),
-              metadata={"comment": "random weights, SD1.5 architecture, made by comfyui-int8-accel"})
-    partial.rename(target)
+    write_checkpoint(target, build_state_dict(seed), "SD1.5")
     print(f"[make_checkpoint] done in {time.time() - start:.0f} s", file=sys.stderr)
     return target
 

@@ -25,6 +25,11 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from scripts.make_checkpoint import SD_VAE, _randomize, write_checkpoint  # noqa: E402
+
 SDXL_NAME = "int8accel_random_sdxl.safetensors"
 SDXL_VEGA_NAME = "int8accel_random_sdxl_vega.safetensors"
 SD3_NAME = "int8accel_random_sd3.safetensors"
@@ -44,8 +49,6 @@ SDXL_UNET = {
 # Segmind Vega: SDXL with 1/1/2 transformer blocks per level and none in the middle block.
 SDXL_VEGA_UNET = dict(SDXL_UNET, transformer_depth=[0, 0, 1, 1, 2, 2], transformer_depth_middle=-1,
                       transformer_depth_output=[0, 0, 0, 1, 1, 1, 2, 2, 2])
-SD_VAE = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
-          "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
 SD3_MMDIT = {
     "in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": SD3_DEPTH, "adm_in_channels": 2048,
     "pos_embed_max_size": 192, "num_patches": 192 * 192, "pos_embed_scaling_factor": None,
@@ -69,7 +72,6 @@ def build_sdxl_state_dict(seed: int = 0, unet_config: dict | None = None) -> dic
     import comfy.supported_models
     from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
 
-    from scripts.make_checkpoint import _randomize
 
     gen = torch.Generator().manual_seed(seed)
     sd: dict[str, torch.Tensor] = {}
@@ -96,7 +98,6 @@ def build_sd3_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     import comfy.text_encoders.sd3_clip
     from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
 
-    from scripts.make_checkpoint import _randomize
 
     gen = torch.Generator().manual_seed(seed)
     sd: dict[str, torch.Tensor] = {}
@@ -135,21 +136,12 @@ def _factory_version(path: Path) -> str | None:
 
 
 def _ensure(comfy_root: Path, name: str, builder, what: str, seed: int) -> Path:
-    from safetensors.torch import save_file
-
     target = Path(comfy_root) / "models" / "checkpoints" / name
     if target.is_file() and _factory_version(target) == FACTORY_VERSION:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     print(f"[make_more_checkpoints] building random {what} checkpoint {target}", file=sys.stderr)
-    state = builder(seed)
-    partial = target.with_suffix(".partial")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(partial),
-              metadata={"comment": f"random weights, {what} architecture, made by comfyui-int8-accel",
-                        "int8accel_factory": FACTORY_VERSION})
-    del state
-    partial.rename(target)
+    write_checkpoint(target, builder(seed), what, {"int8accel_factory": FACTORY_VERSION})
     print(f"[make_more_checkpoints] {what} done in {time.time() - start:.0f} s", file=sys.stderr)
     return target
 
