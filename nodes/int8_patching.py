@@ -142,10 +142,7 @@ class Int8Plan:
 
     # --- INT8 modules, rebuilt whenever the live weights change ----------------------------------------
     def _int8_modules(self, base_model, names: list[str]) -> dict[str, torch.nn.Module]:
-        root = base_model.diffusion_model
-        state = (id(base_model), id(root), getattr(base_model, "current_weight_patches_uuid", None))
-        if state != self._modules_state:
-            self._modules_state, self._modules = state, {}
+        root = self._fresh_module_cache(base_model)
         candidates = find_candidates(root)
         out = {}
         for name in names:
@@ -157,6 +154,14 @@ class Int8Plan:
             out[path] = self._modules[name]
         return out
 
+    def _fresh_module_cache(self, base_model) -> torch.nn.Module:
+        """Drop the INT8 modules when the live weights changed (another model, or other weight patches)."""
+        root = base_model.diffusion_model
+        state = (id(base_model), id(root), getattr(base_model, "current_weight_patches_uuid", None))
+        if state != self._modules_state:
+            self._modules_state, self._modules = state, {}
+        return root
+
     @staticmethod
     def _quantize_layer(module: torch.nn.Module, kind: str) -> torch.nn.Module:
         with torch.inference_mode(False), torch.no_grad():
@@ -165,10 +170,7 @@ class Int8Plan:
     # --- calibration ---------------------------------------------------------------------------------
     def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str):
         start = time.perf_counter()
-        root = base_model.diffusion_model
-        state = (id(base_model), id(root), getattr(base_model, "current_weight_patches_uuid", None))
-        if state != self._modules_state:
-            self._modules_state, self._modules = state, {}
+        root = self._fresh_module_cache(base_model)
         candidates = find_candidates(root)
         measurements: dict[str, LayerMeasurement] = {}
         progress = comfy.utils.ProgressBar(len(candidates))
