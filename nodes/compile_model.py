@@ -402,7 +402,11 @@ def plan_forwards(diffusion_model: torch.nn.Module, regions: dict[str, CompiledR
 def _sdpa_attention_override(previous: Callable | None) -> Callable:
     import comfy.ldm.modules.attention as attention
 
-    replaceable = {attention.attention_sub_quad, attention.attention_basic, attention.attention_split}
+    # wrap_attn hands the override the undecorated function, so match both forms
+    replaceable = set()
+    for function in (attention.attention_sub_quad, attention.attention_basic, attention.attention_split):
+        replaceable.add(function)
+        replaceable.add(getattr(function, "__wrapped__", function))
 
     def override(func, q, k, v, heads, *args, **kwargs):
         if func in replaceable and q.device.type == "cpu" and q.shape[-2] * k.shape[-2] >= SDPA_MIN_SCORES:

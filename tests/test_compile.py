@@ -199,3 +199,23 @@ def test_deepcache_and_compile_match_deepcache_eager(node, base):
     assert _rel(sample(_compile(node, cached), KIND, steps=6), eager) < RTOL
     compiled_first = deepcache_node.apply_deepcache(_compile(node, base), cache_interval=3, cache_depth=1)
     assert _rel(sample(compiled_first, KIND, steps=6), eager) < RTOL
+
+
+def _attention_ops(model, **size) -> set[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sample(model, KIND, steps=1, **size)
+    return {event.key for event in prof.key_averages() if "attention" in event.key or event.key == "aten::baddbmm"}
+
+
+def test_fused_attention_replaces_sub_quadratic_on_large_inputs(cm, base):
+    # 128x128 -> 256 tokens at the first level: above SDPA_MIN_SCORES, so PyTorch's fused kernel runs
+    compiled = cm.compile_model(base, cm.CompileSettings(), regions=False, prepack=False)
+    fused = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert fused not in _attention_ops(base, height=128, width=128)
+    assert fused in _attention_ops(compiled, height=128, width=128)
+    eager = sample(base, KIND, steps=2, height=128, width=128)
+    assert _rel(sample(compiled, KIND, steps=2, height=128, width=128), eager) < RTOL
+    # small inputs keep ComfyUI's own attention (the fused kernel's setup costs more there)
+    assert fused not in _attention_ops(compiled, height=32, width=32)
