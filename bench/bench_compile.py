@@ -15,6 +15,7 @@ import argparse
 import importlib
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -77,18 +78,21 @@ def part_a(model, vae, positive, negative, *, size: int, steps: int, rounds: int
     return rows
 
 
-def part_b(model, vae, positive, negative, *, size: int, steps: int, with_compile_only: bool, density: int = 300):
+def part_b(model, vae, positive, negative, *, size: int, steps: int, with_compile_only: bool,
+           densities: tuple[int, ...] = (300,)):
     cm, quantize, deepcache = _modules()
-    q_model, _report = quantize.Int8AccelQuantize().quantize(model, 8, "enable", "enable", 0.1, 0.1, density)
-    stack = cm.compile_model(deepcache.apply_deepcache(q_model, cache_interval=3, cache_depth=1),
-                             cm.CompileSettings())
+    candidates = {}
+    if with_compile_only:
+        candidates["Compile Model alone"] = cm.compile_model(model, cm.CompileSettings())
+    for density in densities:
+        q_model, _report = quantize.Int8AccelQuantize().quantize(model, 8, "enable", "enable", 0.1, 0.1, density)
+        stack = cm.compile_model(deepcache.apply_deepcache(q_model, cache_interval=3, cache_depth=1),
+                                 cm.CompileSettings())
+        candidates[f"INT8 (density {density}) + DeepCache(3, 1) + Compile"] = stack
     runs = {}
     rows = []
     baseline = timed_sample(model, vae, positive, negative, size=size, steps=steps)
     print(f"baseline: {baseline.seconds_sampling:.1f} s", flush=True)
-    candidates = {"INT8 + DeepCache(interval 3, depth 1) + Compile": stack}
-    if with_compile_only:
-        candidates = {"Compile Model alone": cm.compile_model(model, cm.CompileSettings()), **candidates}
     for name, candidate in candidates.items():
         first = timed_sample(candidate, vae, positive, negative, size=size, steps=steps)
         print(f"{name} first run: {first.seconds_sampling:.1f} s", flush=True)
@@ -118,17 +122,21 @@ def _write(name: str, title: str, rows_a, notes, rows_b, size_b: int, steps_b: i
 
     extra = ["", f"## Full stack at {size_b}x{size_b}, {steps_b} steps", "", line(header_b),
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows_b]
-    extra += ["", "- Sampling time only (VAE decode excluded); 'first run' includes INT8 calibration (first step) "
-              "and compiling, and is excluded from the speed ratio, which uses the second run.",
+    extra += ["", "- Sampling time only (VAE decode excluded). 'first run' is the first sampling of that MODEL: it "
+              "compiles and prepacks, and calibrates INT8 unless a decision for this model is already cached on "
+              "disk (Inductor's on-disk cache may hold the graphs too, so a cold first run is longer); it is "
+              "excluded from the speed ratio, which uses the second run.",
               "- Image PSNR: decoded images in [0, 1] against the plain model's (same seed, prompt, sampler). "
               "Random weights: PSNR shows how far the pipeline drifts, not image quality.",
-              f"- Quantize Model: MSE thresholds 0.1, compute_density_threshold {STACK_DENSITY[0]}; DeepCache interval 3, depth 1; "
-              "Compile Model defaults (inductor)."]
+              "- Quantize Model: MSE thresholds 0.1 and the compute_density_threshold in the row (300 is the node's "
+              "default; 0 lets every layer compete on its error alone); DeepCache interval 3, depth 1; Compile Model "
+              "defaults (inductor).",
+              "- Baseline attention is ComfyUI's default on the CPU (sub-quadratic); Compile Model swaps in PyTorch's "
+              "fused SDPA kernel for large attention inputs."]
     (REPO_ROOT / "bench" / "results" / f"{name}.md").write_text(path.read_text() + "\n".join(extra) + "\n")
     print("\n".join(extra))
 
 
-STACK_DENSITY = [300]  # set from --stack-density; read by the part B notes
 
 
 def main() -> None:
@@ -136,31 +144,34 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes and few steps (a smoke run)")
     parser.add_argument("--core", action="store_true", help="also time core TorchCompileModel (long compile)")
     parser.add_argument("--no-stack", action="store_true", help="skip part B")
-    parser.add_argument("--stack-density", type=int, default=300,
-                        help="compute_density_threshold of the Quantize node in part B (0: every layer competes)")
+    parser.add_argument("--stack-density", type=int, nargs="+", default=[300, 0],
+                        help="compute_density_threshold(s) of the Quantize node in part B (0: every layer competes)")
+    parser.add_argument("--no-compile-only", action="store_true", help="part B without the Compile-alone row")
     parser.add_argument("--stack-size", type=int, default=None, help="part B image size (default 512)")
     parser.add_argument("--stack-steps", type=int, default=None, help="part B steps (default 20)")
     parser.add_argument("--rounds", type=int, default=None, help="part A rounds after the first run")
+    parser.add_argument("--size", type=int, default=None, help="part A image size (default 256)")
+    parser.add_argument("--steps", type=int, default=None, help="part A steps (default 4)")
     parser.add_argument("--only-stack", action="store_true",
                         help="part B only, written to bench/results/compile_stack.md")
     args = parser.parse_args()
-    STACK_DENSITY[0] = args.stack_density
     quick = args.quick
     size_a, steps_a, rounds = (128, 2, 1) if quick else (256, 4, 2)
     size_b, steps_b = (256, 6) if quick else (512, 20)
     size_b, steps_b = args.stack_size or size_b, args.stack_steps or steps_b
     rounds = args.rounds or rounds
+    size_a, steps_a = args.size or size_a, args.steps or steps_a
 
     torch.manual_seed(0)
     model, clip, vae = load_sd15()
     positive, negative = encode(clip, "a photograph of a lighthouse"), encode(clip, "")
     start = time.perf_counter()
     if args.only_stack:
-        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b, with_compile_only=False,
-                        density=STACK_DENSITY[0])
+        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b,
+                        with_compile_only=not args.no_compile_only, densities=tuple(args.stack_density))
         load = os.getloadavg()
         note = (f"Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written (2 shared cores). "
-                f"Command: `.venv/bin/python -m bench.bench_compile --only-stack --stack-density {STACK_DENSITY[0]}`; "
+                f"Command: `.venv/bin/python -m bench.bench_compile --only-stack --stack-density {' '.join(map(str, args.stack_density))}`; "
                 f"{(time.perf_counter() - start) / 60:.1f} min.")
         _write("compile_stack", "Compile Model: full stack vs plain model (CPU)",
                [["(part A not run)", "-", "-", "-", "-", "-"]], [note], rows_b, size_b, steps_b)
@@ -177,18 +188,18 @@ def main() -> None:
             f"{rounds} round(s) after a first run per strategy; 'first run' includes compiling (with whatever "
             "Inductor cache this machine had).",
             "rel. diff: relative L2 difference of the sampled latent against eager.",
-            f"The machine was shared with other sessions while this ran (load average {load[0]:.1f} / "
-            f"{load[1]:.1f} / {load[2]:.1f} when written, on {os.cpu_count()} cores): absolute times are noisy; "
-            "ratios come from interleaved runs in one process.",
+            f"Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written, on {os.cpu_count()} cores "
+            "(above ~2 the machine was shared and absolute times are noisy; ratios come from interleaved runs in "
+            "one process).",
             f"Bench time so far {(time.perf_counter() - start) / 60:.1f} min. Command: "
-            f"`.venv/bin/python -m bench.bench_compile{' --quick' if quick else ''}`.",
+            "`.venv/bin/python -m bench.bench_compile " + " ".join(sys.argv[1:]) + "`.",
         ]
 
     _write(name, title, rows_a, notes(), None, size_b, steps_b)  # part A lands even if part B is cut short
     _, quantize, deepcache = _modules()
     if quantize is not None and deepcache is not None and not args.no_stack:
-        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b, with_compile_only=False,
-                        density=STACK_DENSITY[0])
+        rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b,
+                        with_compile_only=not args.no_compile_only, densities=tuple(args.stack_density))
         _write(name, title, rows_a, notes(), rows_b, size_b, steps_b)
 
 

@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--nodes", default="int8,deepcache",
+    parser.add_argument("--nodes", default="int8,deepcache,compile",
                         help="comma-separated pack nodes for the accelerated run, in order: int8, deepcache, compile")
     args = parser.parse_args()
     nodes = [n for n in args.nodes.split(",") if n]
