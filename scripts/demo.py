@@ -157,7 +157,13 @@ def main() -> None:
         baseline = txt2img_prompt(ckpt, args.size, args.steps, args.seed, "demo_baseline", [])
         accelerated = txt2img_prompt(ckpt, args.size, args.steps, args.seed, "demo_accelerated", nodes)
         runs.append(("baseline",) + run_prompt(server, baseline, "baseline"))
-        runs.append(("accelerated (1st: calibrates)",) + run_prompt(server, accelerated, "accelerated_first"))
+        log_start = server.log_path.stat().st_size
+        first = run_prompt(server, accelerated, "accelerated_first")
+        with open(server.log_path, "rb") as log:
+            log.seek(log_start)
+            calibrated = b"int8-accel: calibrating" in log.read()
+        label = "accelerated (1st: calibrated)" if calibrated else "accelerated (1st: cached decision)"
+        runs.append((label,) + first)
         runs.append(("accelerated (2nd: cached)",) + run_prompt(server, _uncached(accelerated), "accelerated"))
 
     base_image = np.asarray(Image.open(runs[0][3]).convert("RGB"))
