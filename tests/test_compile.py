@@ -150,6 +150,26 @@ def test_unknown_backend_falls_back_to_eager(node, base, caplog):
     assert _rel(sample(compiled, KIND, steps=2), eager) < RTOL
 
 
+def test_missing_cpp_compiler_falls_back_to_eager(node, cm, base, caplog):
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpp_builder
+
+    eager = sample(base, KIND, steps=2)
+    configured = inductor_config.cpp.cxx
+    inductor_config.cpp.cxx = ("/nonexistent/int8accel-no-such-c++",)
+    cpp_builder.cpp_compiler_search.cache_clear()
+    try:
+        assert "C++ compiler" in cm.backend_problem("inductor", torch.device("cpu"))
+        with caplog.at_level(logging.WARNING):
+            compiled = _compile(node, base)
+        assert any("C++ compiler" in r.getMessage() and "running eagerly" in r.getMessage() for r in caplog.records)
+        assert _rel(sample(compiled, KIND, steps=2), eager) < RTOL
+    finally:
+        inductor_config.cpp.cxx = configured
+        cpp_builder.cpp_compiler_search.cache_clear()
+    assert cm.backend_problem("inductor", torch.device("cpu")) is None
+
+
 def test_backend_failing_at_compile_time_falls_back(node, cm, base, caplog):
     from torch._dynamo import list_backends, register_backend
 
