@@ -239,3 +239,11 @@ def test_fused_attention_replaces_sub_quadratic_on_large_inputs(cm, base):
     assert _rel(sample(compiled, KIND, steps=2, height=128, width=128), eager) < RTOL
     # small inputs keep ComfyUI's own attention (the fused kernel's setup costs more there)
     assert fused not in _attention_ops(compiled, height=32, width=32)
+
+
+@pytest.mark.parametrize("kind", ["sdxl", "flux", "sd3"])
+def test_other_architectures_match_eager_with_fused_attention(cm, kind):
+    model = build_tiny_model(kind, seed=1)
+    eager = sample(model, kind, steps=2, height=256, width=256)
+    compiled = cm.compile_model(model, cm.CompileSettings())
+    assert _rel(sample(compiled, kind, steps=2, height=256, width=256), eager) < RTOL
