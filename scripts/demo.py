@@ -171,11 +171,11 @@ def main() -> None:
     latent_peak = float(base_latent.max() - base_latent.min())
     base_sampling = runs[0][2]
     print()
-    print(f"{'run':<32} {'s/image':>8} {'sampling s':>11} {'speed-up':>9} {'image PSNR':>11} {'latent PSNR':>12}")
+    print(f"{'run':<36} {'s/image':>8} {'sampling s':>11} {'speed-up':>9} {'image PSNR':>11} {'latent PSNR':>12}")
     for label, wall, sampling, path, latent_path in runs:
         image_psnr = psnr(np.asarray(Image.open(path).convert("RGB")), base_image)
         latent_psnr = psnr(load_latent(latent_path), base_latent, peak=latent_peak)
-        print(f"{label:<32} {wall:>8.1f} {sampling:>11.1f} {base_sampling / sampling:>8.2f}x "
+        print(f"{label:<36} {wall:>8.1f} {sampling:>11.1f} {base_sampling / sampling:>8.2f}x "
               f"{show_db(image_psnr):>11} {show_db(latent_psnr):>12}")
     print(f"\nimages: {OUTPUT_DIR}/. speed-up = baseline KSampler seconds / accelerated KSampler seconds; PSNR "
           "against the baseline (latent PSNR uses the baseline latent's range as peak: with random weights the "
