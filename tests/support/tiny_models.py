@@ -6,7 +6,10 @@ import torch
 
 
 def _fill_weights(model: torch.nn.Module, seed: int) -> None:
-    """ComfyUI's ops leave weights uninitialised: norms' scales 1, biases 0, the rest N(0, 0.02)."""
+    """ComfyUI's ops leave weights uninitialised: norms' scales 1, biases 0, the rest N(0, 0.02).
+
+    The diffusion model's float buffers are checkpoint data too (SD3's `pos_embed` is `torch.empty` until a
+    state dict fills it), so they get N(0, 0.02) as well; buffers elsewhere (sigma schedules) are computed."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -15,9 +18,9 @@ def _fill_weights(model: torch.nn.Module, seed: int) -> None:
                 param.fill_(1.0 if leaf in ("weight", "scale") else 0.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
-        for buf in model.buffers():
-            if buf.is_floating_point() and not torch.isfinite(buf).all():
-                buf.zero_()
+        for buf in model.diffusion_model.buffers():
+            if buf.is_floating_point():
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.02)
 
 
 UNET_TINY = {
