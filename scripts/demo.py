@@ -31,8 +31,12 @@ PROMPT_TEXT = "a lighthouse on a cliff at sunset, detailed oil painting"
 NEGATIVE_TEXT = "blurry, low quality"
 
 
-def txt2img_prompt(ckpt: str, size: int, steps: int, seed: int, prefix: str, nodes: list[str]) -> dict:
-    """API-format prompt: checkpoint -> [pack nodes] -> KSampler -> VAE decode -> SaveImage."""
+def txt2img_prompt(ckpt: str, size: int, steps: int, seed: int, prefix: str,
+                   nodes: list[str | tuple[str, dict]]) -> dict:
+    """API-format prompt: checkpoint -> [model nodes] -> KSampler -> VAE decode -> SaveImage.
+
+    A model node is a pack node's short name (int8, deepcache, compile) or any (class_type, inputs) pair
+    that takes and returns a MODEL (e.g. LoraLoaderModelOnly)."""
     prompt = {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
         "2": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT_TEXT, "clip": ["1", 1]}},
@@ -49,8 +53,8 @@ def txt2img_prompt(ckpt: str, size: int, steps: int, seed: int, prefix: str, nod
         "compile": ("Int8AccelCompile", {"backend": "inductor", "mode": "default", "dynamic": "auto",
                                          "fullgraph": False}),
     }
-    for index, name in enumerate(nodes):
-        class_type, inputs = node_inputs[name]
+    for index, node in enumerate(nodes):
+        class_type, inputs = node_inputs[node] if isinstance(node, str) else node
         node_id = str(10 + index)
         prompt[node_id] = {"class_type": class_type, "inputs": {"model": model, **inputs}}
         model = [node_id, 0]

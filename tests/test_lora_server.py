@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from scripts.demo import txt2img_prompt
+
 pytestmark = pytest.mark.server
 
 LORA_NAME = "int8accel_test_lora.safetensors"
@@ -15,27 +17,26 @@ SIZE, STEPS, SEED = 256, 3, 11
 @pytest.fixture(scope="module")
 def lora_name(comfy_root, sd15_checkpoint) -> str:
     """A random LoRA for the SD1.5 checkpoint, built from its header (shapes only, no weights loaded)."""
-    import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from tests.support.lora import lora_for_shapes
 
     path = comfy_root / "models" / "loras" / LORA_NAME
     if path.is_file():
         return LORA_NAME
     prefix = "model.diffusion_model."
+    shapes = {}
     with safe_open(str(comfy_root / "models" / "checkpoints" / sd15_checkpoint), "pt") as ckpt:
-        shapes = {key[len(prefix):-len(".weight")]: ckpt.get_slice(key).get_shape() for key in ckpt.keys()
-                  if key.startswith(prefix) and key.endswith(".weight") and len(ckpt.get_slice(key).get_shape()) in (2, 4)}
+        for key in ckpt.keys():
+            if key.startswith(prefix) and key.endswith(".weight"):
+                shape = tuple(ckpt.get_slice(key).get_shape())
+                if len(shape) in (2, 4):
+                    shapes[key[len(prefix):-len(".weight")]] = shape
     wanted = ("attn1.to_q", "attn2.to_v", "ff.net.2", "proj_in", "in_layers.2", "out_layers.3")
     picked = [name for name in sorted(shapes) if name.endswith(wanted)][::4]
-    gen = torch.Generator().manual_seed(5)
-    lora = {}
-    for name in picked:
-        shape = shapes[name]
-        out_dim, in_dim, tail = shape[0], shape[1], tuple(shape[2:])
-        lora[f"diffusion_model.{name}.lora_down.weight"] = torch.randn((4, in_dim) + tail, generator=gen) / in_dim ** 0.5
-        lora[f"diffusion_model.{name}.lora_up.weight"] = torch.randn((out_dim, 4) + (1,) * len(tail), generator=gen)
     assert len(picked) >= 10, picked
+    lora = lora_for_shapes({name: shapes[name] for name in picked}, scale=1.0, seed=5)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file({k: v.half().contiguous() for k, v in lora.items()}, str(tmp))
@@ -44,34 +45,11 @@ def lora_name(comfy_root, sd15_checkpoint) -> str:
 
 
 def _prompt(ckpt: str, lora: str | None, *, where: str, strength: float = 1.0, accelerated: bool = True) -> dict:
-    prompt = {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
-        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red bicycle", "clip": ["1", 1]}},
-        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["1", 1]}},
-        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
-    }
-    chain = []
-    if accelerated:
-        chain = [
-            ("Int8AccelQuantize", {"bits": 8, "quantize_conv": "enable", "quantize_linear": "enable",
-                                   "conv_mse_threshold": 0.1, "linear_mse_threshold": 0.1,
-                                   "compute_density_threshold": 0}),
-            ("Int8AccelDeepCache", {"cache_interval": 2, "cache_depth": 1, "start_percent": 0.0, "end_percent": 1.0}),
-            ("Int8AccelCompile", {"backend": "inductor", "mode": "default", "dynamic": "auto", "fullgraph": False}),
-        ]
+    nodes: list = ["int8", "deepcache", "compile"] if accelerated else []
     if lora is not None:
-        step = ("LoraLoaderModelOnly", {"lora_name": lora, "strength_model": strength})
-        chain = [step] + chain if where == "before" else chain + [step]
-    model = ["1", 0]
-    for index, (class_type, inputs) in enumerate(chain):
-        prompt[str(20 + index)] = {"class_type": class_type, "inputs": {"model": model, **inputs}}
-        model = [str(20 + index), 0]
-    prompt["5"] = {"class_type": "KSampler", "inputs": {
-        "model": model, "seed": SEED, "steps": STEPS, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
-        "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
-    prompt["6"] = {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}}
-    prompt["7"] = {"class_type": "SaveImage", "inputs": {"images": ["6", 0], "filename_prefix": "lora_server_test"}}
-    return prompt
+        loader = ("LoraLoaderModelOnly", {"lora_name": lora, "strength_model": strength})
+        nodes = [loader] + nodes if where == "before" else nodes + [loader]
+    return txt2img_prompt(ckpt, SIZE, STEPS, SEED, "lora_server_test", nodes)
 
 
 def _image(server, prompt: dict) -> np.ndarray:

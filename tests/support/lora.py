@@ -8,14 +8,19 @@ import torch
 def make_lora(patcher, *, layers: int = 6, rank: int = 4, scale: float = 0.5, seed: int = 0,
               kinds: tuple[type, ...] = (torch.nn.Linear, torch.nn.Conv2d)) -> dict[str, torch.Tensor]:
     """A LoRA state dict touching `layers` Linear/Conv2d layers spread through the diffusion model."""
-    gen = torch.Generator().manual_seed(seed)
     modules = [(name, m) for name, m in patcher.model.diffusion_model.named_modules() if isinstance(m, kinds)]
     picked = modules[:: max(1, len(modules) // layers)][:layers]
+    return lora_for_shapes({name: tuple(module.weight.shape) for name, module in picked},
+                           rank=rank, scale=scale, seed=seed)
+
+
+def lora_for_shapes(shapes: dict[str, tuple[int, ...]], *, rank: int = 4, scale: float = 0.5,
+                    seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random up/down pairs for diffusion-model layers given as {module path: weight shape}, in that order."""
+    gen = torch.Generator().manual_seed(seed)
     lora = {}
-    for name, module in picked:
-        weight = module.weight
-        out_dim, in_dim = weight.shape[0], weight.shape[1]
-        tail = tuple(weight.shape[2:])
+    for name, shape in shapes.items():
+        out_dim, in_dim, tail = shape[0], shape[1], tuple(shape[2:])
         down = torch.randn((rank, in_dim) + tail, generator=gen) * scale / in_dim ** 0.5
         up = torch.randn((out_dim, rank) + (1,) * len(tail), generator=gen) * scale
         lora[f"diffusion_model.{name}.lora_down.weight"] = down
