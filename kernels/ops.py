@@ -92,7 +92,7 @@ def _conv2d_impl(x, q_weight, w_scale, bias, stride, padding, dilation, groups) 
     backend = _resolve(x.device)
     stride, padding, dilation = list(stride), list(padding), list(dilation)
     if x.numel() == 0:
-        return _conv_fake(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
+        return x.new_zeros(_conv_output_shape(x, q_weight, stride, padding, dilation))
     if backend == "cpu":
         from . import cpu_native
 
@@ -108,10 +108,10 @@ def conv_output_size(size: int, kernel: int, stride: int, padding: int, dilation
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
-def _conv_fake(x, q_weight, w_scale, bias, stride, padding, dilation, groups) -> torch.Tensor:
+def _conv_output_shape(x, q_weight, stride, padding, dilation) -> tuple:
     h_out = conv_output_size(x.shape[2], q_weight.shape[2], stride[0], padding[0], dilation[0])
     w_out = conv_output_size(x.shape[3], q_weight.shape[3], stride[1], padding[1], dilation[1])
-    return x.new_zeros(x.shape[0], q_weight.shape[0], h_out, w_out)
+    return x.shape[0], q_weight.shape[0], h_out, w_out
 
 
 if hasattr(torch.ops, "int8_accel") and hasattr(torch.ops.int8_accel, "linear"):
@@ -142,9 +142,7 @@ else:
 
     @_conv2d_op.register_fake
     def _(x, q_weight, w_scale, bias, stride, padding, dilation, groups):
-        h_out = conv_output_size(x.shape[2], q_weight.shape[2], stride[0], padding[0], dilation[0])
-        w_out = conv_output_size(x.shape[3], q_weight.shape[3], stride[1], padding[1], dilation[1])
-        return x.new_empty(x.shape[0], q_weight.shape[0], h_out, w_out)
+        return x.new_empty(_conv_output_shape(x, q_weight, stride, padding, dilation))
 
 
 def int8_linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
