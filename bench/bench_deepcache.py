@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -127,6 +128,7 @@ def main() -> None:
     print("\n" + table)
     command = "bench/bench_deepcache.py" + (" --quick" if args.quick else "") + (
         f" --rounds {args.rounds}" if args.rounds else "") + (f" --depth {args.depth}" if args.depth != 1 else "")
+    load = os.getloadavg()
     text = (
         f"# DeepCache benchmark{' (quick)' if args.quick else ''}\n\n"
         f"Full-size SD1.5 architecture with random weights (`{ckpt.name}`), loaded in-process with "
@@ -136,7 +138,8 @@ def main() -> None:
         f"call (median of {rounds} interleaved round(s)); the CPU-time column uses this process's CPU time "
         f"(time.process_time), which other jobs on the machine disturb much less than wall time; PSNR compares the VAE-decoded image with the "
         f"uncached one (random weights: the images are noise-like, so PSNR shows drift, not visual quality).\n"
-        f"The machine is shared with other jobs: timings are noisy.\n\n"
+        f"Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written, on {os.cpu_count()} cores "
+        "(above ~2 other jobs shared the machine: wall times are noisy, the CPU-time ratios less so).\n\n"
         f"Command: `.venv/bin/python {command}`\n\n{table}\n"
     )
     if out_path is not None:
