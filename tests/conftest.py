@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,17 +15,25 @@ if str(REPO_ROOT) not in sys.path:
 
 from tests.support.comfy_host import import_comfy, load_pack  # noqa: E402
 
+# Triton's interpreter must be chosen before triton is first imported (the CUDA-path kernels are tested on
+# CPU tensors through it); nothing here has a GPU, so the interpreter is the only way Triton can run.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# One import identity for the whole suite: ComfyUI in CPU mode first, then this repository as the package
+# ComfyUI loads (`comfyui_int8_accel`); tests import `comfyui_int8_accel.kernels` / `.nodes...`, never `kernels`.
+COMFY_ROOT = import_comfy()
+PACK = load_pack()
+
 
 @pytest.fixture(scope="session")
 def comfy_root() -> Path:
     """The real ComfyUI, imported in-process in CPU mode."""
-    return import_comfy()
+    return COMFY_ROOT
 
 
 @pytest.fixture(scope="session")
 def pack(comfy_root):
     """This repository imported as the custom-node package ComfyUI loads."""
-    return load_pack()
+    return PACK
 
 
 @pytest.fixture(scope="session")
