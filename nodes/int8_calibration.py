@@ -29,10 +29,15 @@ class QuantizeSettings:
 
     SUPPORTED_BITS = (8,)
 
+    def bits_error(self) -> str | None:
+        if self.bits in self.SUPPORTED_BITS:
+            return None
+        return (f"bits={self.bits} is not supported: only bits=8 (W8A8: int8 weights per output channel, int8 "
+                f"dynamic activations) is implemented")
+
     def validate(self) -> None:
-        if self.bits not in self.SUPPORTED_BITS:
-            raise ValueError(f"bits={self.bits} is not supported: only bits=8 (W8A8: int8 weights per output "
-                             f"channel, int8 dynamic activations) is implemented")
+        if self.bits_error():
+            raise ValueError(self.bits_error())
         for name in ("conv_mse_threshold", "linear_mse_threshold"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -180,7 +185,16 @@ def load_result(key: str) -> CalibrationResult | None:
         return None
 
 
+_report_generations: dict[str, int] = {}
+
+
+def report_generation(settings: QuantizeSettings) -> int:
+    """How many calibration reports were written in this process for these settings (changes when a new one is)."""
+    return _report_generations.get(settings.key(), 0)
+
+
 def save_result(result: CalibrationResult, fingerprint: str, settings: QuantizeSettings, report: str) -> None:
+    _report_generations[settings.key()] = report_generation(settings) + 1
     directory = cache_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -77,8 +77,9 @@ def swapped_modules(root: torch.nn.Module, replacements: dict[str, torch.nn.Modu
 class Int8Plan:
     """Per-node state shared by the clone and everything cloned from it."""
 
-    def __init__(self, settings: QuantizeSettings) -> None:
+    def __init__(self, settings: QuantizeSettings, node_id: str | None = None) -> None:
         self.settings = settings
+        self.node_id = node_id
         self.results: dict[str, CalibrationResult] = {}
         self.calibration_runs = 0
         self.disk_hits = 0
@@ -238,6 +239,17 @@ class Int8Plan:
         total = counter.get_total_flops() + int8_flops
         return swapped_output, normalized_mse(swapped_output, reference), (int8_flops / total if total else 0.0)
 
+    def _show_in_page(self, text: str) -> None:
+        """Put the summary on the node in the page (the report output shows the rest on the next run)."""
+        if self.node_id is None:
+            return
+        try:
+            from server import PromptServer
+
+            PromptServer.instance.send_progress_text(text, self.node_id)
+        except Exception as exc:  # noqa: BLE001 - no server (in-process use): the log has it
+            log.debug("int8-accel: no page to show the summary in (%s)", exc)
+
     def _publish(self, result: CalibrationResult, base_model, fingerprint: str, save: bool) -> None:
         root = base_model.diffusion_model
         candidates = find_candidates(root)
@@ -251,6 +263,7 @@ class Int8Plan:
         if save:
             save_result(result, fingerprint, self.settings, report)
             log.info("int8-accel:\n%s", report)
+            self._show_in_page(report.splitlines()[-1])
         else:
             log.info("int8-accel: calibration cache hit for latent %s: %d layers in INT8", result.shape,
                      len(result.chosen))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from .int8_calibration import QuantizeSettings
+from .int8_calibration import QuantizeSettings, report_generation
 from .int8_patching import Int8Plan, find_candidates, unwrap_compiled
 
 log = logging.getLogger("int8_accel")
@@ -15,6 +15,23 @@ MSE_TOOLTIP = (
     "real inputs of the first sampling step. Layers above it stay in floating point; 0 keeps every {kind} "
     "layer in floating point, 1 accepts any error."
 )
+
+
+WIDGETS = ("bits", "quantize_conv", "quantize_linear", "conv_mse_threshold", "linear_mse_threshold",
+           "compute_density_threshold")
+
+
+def settings_from_widgets(bits: int = 8, quantize_conv: str = "enable", quantize_linear: str = "enable",
+                          conv_mse_threshold: float = 0.1, linear_mse_threshold: float = 0.1,
+                          compute_density_threshold: int = 300) -> QuantizeSettings:
+    for name, value in (("quantize_conv", quantize_conv), ("quantize_linear", quantize_linear)):
+        if value not in ENABLE:
+            raise ValueError(f"{name} must be 'enable' or 'disable', not {value!r}")
+    return QuantizeSettings(bits=int(bits), quantize_conv=quantize_conv == "enable",
+                            quantize_linear=quantize_linear == "enable",
+                            conv_mse_threshold=float(conv_mse_threshold),
+                            linear_mse_threshold=float(linear_mse_threshold),
+                            compute_density_threshold=int(compute_density_threshold))
 
 
 class Int8AccelQuantize:
@@ -36,7 +53,7 @@ class Int8AccelQuantize:
         return {
             "required": {
                 "model": ("MODEL", {"tooltip": "The model to accelerate. It is cloned, never modified."}),
-                "bits": ("INT", {"default": 8, "min": 1, "max": 16, "step": 1, "tooltip":
+                "bits": ("INT", {"default": 8, "min": 8, "max": 8, "step": 1, "tooltip":
                                  "8 = W8A8: int8 weights (symmetric, per output channel) and int8 activations "
                                  "quantized at run time (per token for Linear, per tensor for Conv2d), int32 "
                                  "accumulation, rescaled to the compute dtype, bias added after. Only 8 is "
@@ -52,19 +69,26 @@ class Int8AccelQuantize:
                     "Minimum arithmetic intensity M*K*N / (M*K + K*N + M*N) for a layer to be quantized, with "
                     "M tokens (Conv2d: batch*H_out*W_out), K inputs (Conv2d: C_in*kh*kw/groups) and N outputs. "
                     "Layers below it do too little work to repay quantizing their activations."}),
-            }
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, bits: int) -> bool | str:
+        if int(bits) not in QuantizeSettings.SUPPORTED_BITS:
+            return QuantizeSettings(bits=int(bits)).bits_error()
+        return True
+
+    @classmethod
+    def IS_CHANGED(cls, **inputs) -> str:
+        # The report is written during sampling, after this node ran: run again once a new one exists.
+        settings = settings_from_widgets(**{k: v for k, v in inputs.items() if k in WIDGETS})
+        return f"{settings.key()}#{report_generation(settings)}"
+
     def quantize(self, model, bits: int, quantize_conv: str, quantize_linear: str, conv_mse_threshold: float,
-                 linear_mse_threshold: float, compute_density_threshold: int):
-        for name, value in (("quantize_conv", quantize_conv), ("quantize_linear", quantize_linear)):
-            if value not in ENABLE:
-                raise ValueError(f"{name} must be 'enable' or 'disable', not {value!r}")
-        settings = QuantizeSettings(bits=int(bits), quantize_conv=quantize_conv == "enable",
-                                    quantize_linear=quantize_linear == "enable",
-                                    conv_mse_threshold=float(conv_mse_threshold),
-                                    linear_mse_threshold=float(linear_mse_threshold),
-                                    compute_density_threshold=int(compute_density_threshold))
+                 linear_mse_threshold: float, compute_density_threshold: int, unique_id: str | None = None):
+        settings = settings_from_widgets(bits, quantize_conv, quantize_linear, conv_mse_threshold,
+                                         linear_mse_threshold, compute_density_threshold)
         settings.validate()
 
         diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
@@ -80,7 +104,7 @@ class Int8AccelQuantize:
             return (model, f"Nothing to quantize ({why}): the model is returned unchanged.")
 
         quantized = model.clone()
-        plan = Int8Plan(settings)
+        plan = Int8Plan(settings, node_id=unique_id)
         plan.attach(quantized)
         return (quantized, plan.node_report(quantized, candidates))
 
