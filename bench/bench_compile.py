@@ -24,13 +24,8 @@ from bench.common import encode, load_sd15, psnr, timed_sample, write_table
 
 
 def _modules():
-    compile_model = importlib.import_module("comfyui_int8_accel.nodes.compile_model")
-    try:
-        quantize = importlib.import_module("comfyui_int8_accel.nodes.quantize_node")
-        deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache_node")
-    except ModuleNotFoundError:
-        quantize = deepcache = None
-    return compile_model, quantize, deepcache
+    return tuple(importlib.import_module(f"comfyui_int8_accel.nodes.{name}")
+                 for name in ("compile", "int8", "deepcache"))
 
 
 def _core_torch_compile(model):
@@ -85,7 +80,7 @@ def part_b(model, vae, positive, negative, *, size: int, steps: int, with_compil
     if with_compile_only:
         candidates["Compile Model alone"] = cm.compile_model(model, cm.CompileSettings())
     for density in densities:
-        q_model, _report = quantize.Int8AccelQuantize().quantize(model, 8, "enable", "enable", 0.1, 0.1, density)
+        q_model, _report = quantize.apply_int8(model, quantize.QuantizeSettings(compute_density_threshold=density))
         stack = cm.compile_model(deepcache.apply_deepcache(q_model, cache_interval=3, cache_depth=1),
                                  cm.CompileSettings())
         candidates[f"INT8 (density {density}) + DeepCache(3, 1) + Compile"] = stack
@@ -197,7 +192,7 @@ def main() -> None:
 
     _write(name, title, rows_a, notes(), None, size_b, steps_b)  # part A lands even if part B is cut short
     _, quantize, deepcache = _modules()
-    if quantize is not None and deepcache is not None and not args.no_stack:
+    if not args.no_stack:
         rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b,
                         with_compile_only=not args.no_compile_only, densities=tuple(args.stack_density))
         _write(name, title, rows_a, notes(), rows_b, size_b, steps_b)

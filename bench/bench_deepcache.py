@@ -52,13 +52,13 @@ def main() -> None:
     comfy_root = import_comfy()
     load_pack()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("comfyui_int8_accel.deepcache").setLevel(logging.INFO)
+    logging.getLogger("int8_accel.deepcache").setLevel(logging.INFO)
     import comfy.sample
     import comfy.sd
 
     from scripts.make_checkpoint import DEFAULT_NAME, ensure_checkpoint
 
-    deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache_node")
+    deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache")
     ckpt = ensure_checkpoint(comfy_root)
     if not isinstance(ckpt, Path) or not ckpt.is_file():
         ckpt = comfy_root / "models" / "checkpoints" / DEFAULT_NAME

@@ -32,11 +32,12 @@ def main() -> None:
     model, clip, vae = load_sd15()
     positive = encode(clip, "a lighthouse on a cliff at sunset, detailed oil painting")
     negative = encode(clip, "blurry, low quality")
-    node = importlib.import_module("comfyui_int8_accel.nodes.quantize_node").Int8AccelQuantize()
+    int8 = importlib.import_module("comfyui_int8_accel.nodes.int8")
+    every_layer = int8.QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
     variants = {
         "fp32 baseline": model,
-        "INT8 defaults (mse 0.1, density 300)": node.quantize(model, 8, "enable", "enable", 0.1, 0.1, 300)[0],
-        "INT8 every eligible layer (mse 1, density 0)": node.quantize(model, 8, "enable", "enable", 1.0, 1.0, 0)[0],
+        "INT8 defaults (mse 0.1, density 300)": int8.apply_int8(model, int8.QuantizeSettings())[0],
+        "INT8 every eligible layer (mse 1, density 0)": int8.apply_int8(model, every_layer)[0],
     }
     # Calibrate once outside the timed runs (the decision is cached); report how long it took.
     calibration = {}

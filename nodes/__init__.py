@@ -1,29 +1,11 @@
-"""ComfyUI-facing side of the pack: node classes and the ModelPatcher patching they share."""
+"""ComfyUI-facing side of the pack: one subpackage per capability (int8, deepcache, compile), each with a
+small core entry point and a thin node class in its `node` module."""
 
-NODE_CLASS_MAPPINGS: dict = {}
-NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+from .compile.node import Int8AccelCompile
+from .deepcache.node import Int8AccelDeepCache
+from .int8.node import Int8AccelQuantize
 
+_NODES = (Int8AccelQuantize, Int8AccelDeepCache, Int8AccelCompile)
 
-def _register(module) -> None:
-    NODE_CLASS_MAPPINGS.update(module.NODE_CLASS_MAPPINGS)
-    NODE_DISPLAY_NAME_MAPPINGS.update(module.NODE_DISPLAY_NAME_MAPPINGS)
-
-
-def _load_all() -> None:
-    import importlib
-    import logging
-
-    for name in ("quantize_node", "deepcache_node", "compile_node"):
-        try:
-            module = importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as exc:
-            if exc.name == f"{__name__}.{name}":
-                continue  # node not built yet
-            raise
-        except Exception:
-            logging.getLogger(__name__).exception("comfyui-int8-accel: failed to load %s", name)
-            raise
-        _register(module)
-
-
-_load_all()
+NODE_CLASS_MAPPINGS = {node.GET_SCHEMA().node_id: node for node in _NODES}
+NODE_DISPLAY_NAME_MAPPINGS = {node.GET_SCHEMA().node_id: node.GET_SCHEMA().display_name for node in _NODES}

@@ -38,12 +38,13 @@ def _graphs() -> int:
 
 @pytest.fixture(scope="module")
 def cm(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.compile_model")
+    return importlib.import_module("comfyui_int8_accel.nodes.compile")
 
 
 @pytest.fixture(scope="module")
-def node(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.compile_node").Int8AccelCompile()
+def node(cm):
+    """The compile core with the node's widget values."""
+    return cm
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +52,24 @@ def base():
     return _tiny_model()
 
 
-def _compile(node, model, backend="inductor", mode="default", dynamic="auto", fullgraph=False):
-    return node.compile(model, backend, mode, dynamic, fullgraph)[0]
+def _compile(cm, model, backend="inductor", mode="default", dynamic="auto", fullgraph=False):
+    return cm.compile_model(model, cm.CompileSettings(backend=backend, mode=mode, dynamic=dynamic,
+                                                      fullgraph=fullgraph))
 
 
 def test_node_spec(pack):
-    module = importlib.import_module("comfyui_int8_accel.nodes.compile_node")
-    assert module.NODE_DISPLAY_NAME_MAPPINGS == {"Int8AccelCompile": "Compile Model"}
-    cls = module.NODE_CLASS_MAPPINGS["Int8AccelCompile"]
-    assert (cls.CATEGORY, cls.FUNCTION, cls.RETURN_TYPES) == ("int8-accel", "compile", ("MODEL",))
+    assert pack.NODE_DISPLAY_NAME_MAPPINGS["Int8AccelCompile"] == "Compile Model"
+    cls = pack.NODE_CLASS_MAPPINGS["Int8AccelCompile"]
+    info = cls.GET_NODE_INFO_V1()
+    assert (info["category"], info["output"]) == ("int8-accel", ["MODEL"])
     required = cls.INPUT_TYPES()["required"]
     assert list(required) == ["model", "backend", "mode", "dynamic", "fullgraph"]
-    assert required["backend"][0][0] == "inductor" and {"aot_eager", "eager"} <= set(required["backend"][0])
-    assert required["mode"][0] == ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
-    assert required["dynamic"][0] == ["auto", "true", "false"]
+    options = {name: spec[1]["options"] for name, spec in required.items() if spec[0] == "COMBO"}
+    assert options["backend"][0] == "inductor" and {"aot_eager", "eager"} <= set(options["backend"])
+    assert options["mode"] == ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+    assert options["dynamic"] == ["auto", "true", "false"]
     assert required["fullgraph"][0] == "BOOLEAN" and required["fullgraph"][1]["default"] is False
     assert all(spec[1].get("tooltip") for spec in required.values())
-    assert pack.NODE_CLASS_MAPPINGS["Int8AccelCompile"] is cls
 
 
 def test_inductor_matches_eager_and_leaves_model_untouched(node, cm, base, caplog):
@@ -75,7 +77,7 @@ def test_inductor_matches_eager_and_leaves_model_untouched(node, cm, base, caplo
     compiled = _compile(node, base)
     assert compiled is not base
     before = _graphs()
-    with caplog.at_level(logging.INFO, logger=cm.__name__):
+    with caplog.at_level(logging.INFO, logger="int8_accel.compile"):
         out = sample(compiled, KIND, steps=2, height=128, width=128)
     assert _graphs() > before, "nothing was compiled"
     assert _rel(out, eager) < RTOL
@@ -188,9 +190,10 @@ def test_backend_failing_at_compile_time_falls_back(node, cm, base, caplog):
 
 
 def _quantized(model):
-    quantize_node = importlib.import_module("comfyui_int8_accel.nodes.quantize_node")
+    int8 = importlib.import_module("comfyui_int8_accel.nodes.int8")
     # density threshold 0: the tiny UNet's layers are far below the full-size default
-    quantized, report = quantize_node.Int8AccelQuantize().quantize(model, 8, "enable", "enable", 1.0, 1.0, 0)
+    settings = int8.QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    quantized, report = int8.apply_int8(model, settings)
     return quantized, report
 
 
@@ -211,13 +214,13 @@ def test_compile_then_int8_matches_int8_eager(node, base):
 
 
 def test_deepcache_and_compile_match_deepcache_eager(node, base):
-    deepcache_node = importlib.import_module("comfyui_int8_accel.nodes.deepcache_node")
+    deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache")
     plain = sample(base, KIND, steps=6)
-    cached = deepcache_node.apply_deepcache(base, cache_interval=3, cache_depth=1)
+    cached = deepcache.apply_deepcache(base, cache_interval=3, cache_depth=1)
     eager = sample(cached, KIND, steps=6)
     assert _rel(eager, plain) > 1e-5, "DeepCache skipped nothing"
     assert _rel(sample(_compile(node, cached), KIND, steps=6), eager) < RTOL
-    compiled_first = deepcache_node.apply_deepcache(_compile(node, base), cache_interval=3, cache_depth=1)
+    compiled_first = deepcache.apply_deepcache(_compile(node, base), cache_interval=3, cache_depth=1)
     assert _rel(sample(compiled_first, KIND, steps=6), eager) < RTOL
 
 

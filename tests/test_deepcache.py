@@ -14,7 +14,7 @@ KINDS = ["sd15", "sdxl", "flux", "sd3"]
 
 @pytest.fixture(scope="module")
 def deepcache(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.deepcache_node")
+    return importlib.import_module("comfyui_int8_accel.nodes.deepcache")
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +86,9 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # --- the node's face -----------------------------------------------------------------------------------
-def test_node_interface(deepcache):
-    node = deepcache.Int8AccelDeepCache
+def test_node_interface(pack):
+    node = pack.NODE_CLASS_MAPPINGS["Int8AccelDeepCache"]
+    info = node.GET_NODE_INFO_V1()
     required = node.INPUT_TYPES()["required"]
     assert list(required) == ["model", "cache_interval", "cache_depth", "start_percent", "end_percent"]
     assert required["cache_interval"][0] == "INT"
@@ -98,30 +99,29 @@ def test_node_interface(deepcache):
     assert required["start_percent"][1]["step"] == 0.01
     for name, spec in required.items():
         assert spec[1]["tooltip"], name
-    assert node.RETURN_TYPES == ("MODEL",) and node.FUNCTION == "apply" and node.CATEGORY == "int8-accel"
-    assert "cache_layer_id" in node.DESCRIPTION and "cache_block_id" in node.DESCRIPTION
-    assert deepcache.NODE_DISPLAY_NAME_MAPPINGS["Int8AccelDeepCache"] == "DeepCache"
+    assert info["output"] == ["MODEL"] and info["category"] == "int8-accel"
+    assert "cache_layer_id" in info["description"] and "cache_block_id" in info["description"]
+    assert pack.NODE_DISPLAY_NAME_MAPPINGS["Int8AccelDeepCache"] == "DeepCache"
 
 
-def test_bad_settings_raise_at_the_node(deepcache, models):
-    node = deepcache.Int8AccelDeepCache()
+def test_bad_settings_raise(deepcache, models):
     with pytest.raises(ValueError, match="start_percent"):
-        node.apply(models["sd15"], 3, 1, 0.5, 0.5)
+        deepcache.apply_deepcache(models["sd15"], 3, 1, 0.5, 0.5)
     with pytest.raises(ValueError, match="start_percent"):
-        node.apply(models["sd15"], 3, 1, 0.8, 0.2)
+        deepcache.apply_deepcache(models["sd15"], 3, 1, 0.8, 0.2)
     unet_blocks = len(models["sd15"].get_model_object("diffusion_model").input_blocks)
-    node.apply(models["sd15"], 3, unet_blocks, 0.0, 1.0)  # the deepest valid setting
+    deepcache.apply_deepcache(models["sd15"], 3, unet_blocks, 0.0, 1.0)  # the deepest valid setting
     with pytest.raises(ValueError, match="cache_depth"):
-        node.apply(models["sd15"], 3, unet_blocks + 1, 0.0, 1.0)
+        deepcache.apply_deepcache(models["sd15"], 3, unet_blocks + 1, 0.0, 1.0)
     with pytest.raises(ValueError, match="cache_depth"):
-        node.apply(models["flux"], 3, 2, 0.0, 1.0)  # 4 blocks: depth 2 would leave no middle block
+        deepcache.apply_deepcache(models["flux"], 3, 2, 0.0, 1.0)  # 4 blocks: depth 2 would leave no middle block
 
 
 def test_unsupported_model_passes_through_with_a_warning(deepcache, models, caplog):
     odd = models["sd15"].clone()
     odd.add_object_patch("diffusion_model", torch.nn.Linear(2, 2))
     with caplog.at_level(logging.WARNING):
-        (out,) = deepcache.Int8AccelDeepCache().apply(odd, 3, 1, 0.0, 1.0)
+        out = deepcache.apply_deepcache(odd, 3, 1, 0.0, 1.0)
     assert out is odd
     assert "not supported" in caplog.text
 
@@ -257,7 +257,7 @@ def test_odd_resolution_and_batch_of_two(deepcache, models, kind):
 @pytest.mark.parametrize("kind", ["sd15", "sdxl"])
 def test_unet_cached_path_reproduces_the_full_forward_from_a_fresh_cache(pack, models, kind):
     """Shallow blocks + a deep feature captured from the same input must give the full forward exactly."""
-    unet_mod = importlib.import_module("comfyui_int8_accel.nodes.deepcache_unet")
+    unet_mod = importlib.import_module("comfyui_int8_accel.nodes.deepcache.unet")
     net = models[kind].get_model_object("diffusion_model")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, 9, 11, generator=gen)
@@ -282,15 +282,10 @@ def test_unet_cached_path_reproduces_the_full_forward_from_a_fresh_cache(pack, m
 
 
 # --- composition -------------------------------------------------------------------------------------
-def _quantize_node(pack):
-    try:
-        return importlib.import_module("comfyui_int8_accel.nodes.quantize_node").Int8AccelQuantize()
-    except ModuleNotFoundError:
-        pytest.skip("nodes/quantize_node.py is not there yet")
-
-
 def _int8(pack, model):
-    quantized, report = _quantize_node(pack).quantize(model, 8, "enable", "enable", 1.0, 1.0, 0)
+    int8 = importlib.import_module("comfyui_int8_accel.nodes.int8")
+    settings = int8.QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    quantized, report = int8.apply_int8(model, settings)
     assert quantized is not model, report
     return quantized
 

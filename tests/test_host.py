@@ -26,13 +26,10 @@ def test_pack_imports_outside_comfyui_without_crashing():
     assert result.stdout.strip() == "ok"
 
 
-def test_pack_exports_its_nodes_inside_comfyui(pack):
-    expected = {"Int8AccelQuantize", "Int8AccelDeepCache", "Int8AccelCompile"}
-    present = set(pack.NODE_CLASS_MAPPINGS)
-    assert present <= expected | {"Int8AccelReport"}
-    assert "Int8AccelQuantize" in present
-    for key in present:
-        assert pack.NODE_DISPLAY_NAME_MAPPINGS[key]
+def test_pack_exports_its_three_nodes_inside_comfyui(pack):
+    assert pack.NODE_DISPLAY_NAME_MAPPINGS == {"Int8AccelQuantize": "Quantize Model (INT8)",
+                                               "Int8AccelDeepCache": "DeepCache", "Int8AccelCompile": "Compile Model"}
+    assert set(pack.NODE_CLASS_MAPPINGS) == set(pack.NODE_DISPLAY_NAME_MAPPINGS)
 
 
 @pytest.mark.parametrize("kind", ["sd15", "sdxl", "flux", "sd3"])
@@ -50,6 +47,7 @@ def test_tiny_models_sample_deterministically(comfy_root, kind):
 @pytest.mark.server
 def test_server_lists_the_pack_nodes(server, pack):
     info = server.object_info()
+    assert {"Int8AccelQuantize", "Int8AccelDeepCache", "Int8AccelCompile"} <= set(info)
     for key in pack.NODE_CLASS_MAPPINGS:
         assert key in info, f"{key} missing from /object_info"
         assert info[key]["python_module"].startswith("custom_nodes.")

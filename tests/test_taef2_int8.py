@@ -1,4 +1,5 @@
-"""Real trained weights: the TAEF2 autoencoder with every Conv2d in INT8 (../shared/weights, skipped when absent)."""
+"""Real trained weights: the TAEF2 autoencoder with every Conv2d replaced by the pack's own INT8 conv layer
+(../shared/weights, skipped when absent)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import int8_conv2d, normalized_mse, quantize_weight_per_channel, weight_qmax
+from comfyui_int8_accel.kernels import normalized_mse
+from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d
 
 
 def conv3(c_in: int, c_out: int, stride: int = 1, bias: bool = True) -> nn.Conv2d:
@@ -61,26 +63,11 @@ def build_decoder() -> nn.Sequential:
     )  # fmt: skip
 
 
-class Int8Conv2d(nn.Module):
-    """Test-only stand-in for the pack's INT8 conv: per-channel int8 weights, int8_conv2d forward."""
-
-    def __init__(self, conv: nn.Conv2d):
-        super().__init__()
-        q, s = quantize_weight_per_channel(conv.weight.detach(), weight_qmax(conv.weight.device))
-        self.register_buffer("q_weight", q)
-        self.register_buffer("w_scale", s)
-        self.register_buffer("bias", None if conv.bias is None else conv.bias.detach().clone())
-        self.stride, self.padding, self.dilation, self.groups = conv.stride, conv.padding, conv.dilation, conv.groups
-
-    def forward(self, x):
-        return int8_conv2d(x, self.q_weight, self.w_scale, self.bias, self.stride, self.padding, self.dilation, self.groups)
-
-
 def to_int8(module: nn.Module) -> int:
     swapped = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Conv2d):
-            setattr(module, name, Int8Conv2d(child))
+            setattr(module, name, Int8Conv2d.from_float(child))
             swapped += 1
         else:
             swapped += to_int8(child)

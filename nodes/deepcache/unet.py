@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .deepcache_steps import WRAPPER_KEY, Mode, chunk_signature, current_call, current_run
+from .steps import WRAPPER_KEY, Mode, chunk_signature, current_call, current_run
 
 
 def is_unet(diffusion_model) -> bool:

@@ -7,7 +7,7 @@ runs one float forward in which every candidate layer also computes its INT8 out
 and measures its error; the decision is cached in memory and on disk. On every later call the chosen
 INT8 modules are swapped into the diffusion model for the duration of that call only, and the float
 modules are put back in `finally`. ModelPatcher never sees the INT8 modules, so its weight patching and
-backups keep acting on the real float layers: the shared base model cannot be corrupted (DESIGN §3), and
+backups keep acting on the real float layers: the shared base model cannot be corrupted, and
 LoRA before or after the node is honoured because INT8 weights are built from the live patched weights,
 again whenever the weight patches change.
 """
@@ -17,29 +17,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import weakref
 from collections.abc import Iterator
 
 import comfy.patcher_extension
 import comfy.utils
 import torch
 
-from ..kernels import compute_density, normalized_mse
-from .int8_calibration import (
-    CalibrationResult,
-    LayerMeasurement,
-    QuantizeSettings,
-    calibration_key,
-    decide,
-    format_report,
-    load_last_report,
-    load_result,
-    model_fingerprint,
-    save_result,
-)
-from .int8_modules import Int8Conv2d, Int8Linear, is_quantizable
+from ...kernels import compute_density, normalized_mse
+from ..wrapper_args import wrapper_arg
+from .cache import load_last_report, load_result, save_result
+from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
+from .modules import Int8Conv2d, Int8Linear, is_quantizable
+from .report import format_report
+from .settings import QuantizeSettings
 
-log = logging.getLogger("int8_accel")
+log = logging.getLogger("int8_accel.int8")
 WRAPPER_KEY = "int8_accel_quantize"
 
 
@@ -89,7 +81,6 @@ class Int8Plan:
         self._fingerprints: dict[tuple, str] = {}
         self._modules_state: tuple | None = None
         self._modules: dict[str, torch.nn.Module] = {}
-        self._model_ref: weakref.ref | None = None
 
     # --- wiring ----------------------------------------------------------------------------------
     def attach(self, patcher) -> None:
@@ -125,7 +116,7 @@ class Int8Plan:
 
     def apply_model(self, executor, *args, **kwargs):
         base_model = executor.class_obj
-        x = args[0] if args else kwargs["x"]
+        x = wrapper_arg(args, kwargs, 0, "x")
         fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
         key = calibration_key(fingerprint, self.settings, x.shape[2:], x.dtype)
         result = self.results.get(key)

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..wrapper_args import replace_wrapper_arg, wrapper_arg
+
 STATE_KEY = "int8_accel_deepcache"
 WRAPPER_KEY = "int8_accel_deepcache"
 
-log = logging.getLogger("comfyui_int8_accel.deepcache")
+log = logging.getLogger("int8_accel.deepcache")
 
 # k-diffusion samplers whose corrector evaluates the model at the *next* schedule sigma right after the
 # step callback, before that next step's own evaluation: the first evaluation there is the intermediate one.
@@ -221,15 +223,12 @@ def make_outer_sample_wrapper(config: DeepCacheConfig) -> Callable:
         import comfy.model_patcher
 
         guider = executor.class_obj
-        sigmas = args[3] if len(args) > 3 else kwargs["sigmas"]
-        sampler = args[2] if len(args) > 2 else kwargs.get("sampler")
+        sigmas = wrapper_arg(args, kwargs, 3, "sigmas")
+        sampler = wrapper_arg(args, kwargs, 2, "sampler", None)
         model_sampling = guider.model_patcher.get_model_object("model_sampling")
         run = DeepCacheRun(config, sigmas, model_sampling, sampler)
-        args = list(args)
-        if len(args) > 5:
-            args[5] = run.wrap_callback(args[5])
-        else:
-            kwargs["callback"] = run.wrap_callback(kwargs.get("callback"))
+        callback = run.wrap_callback(wrapper_arg(args, kwargs, 5, "callback", None))
+        args, kwargs = replace_wrapper_arg(args, kwargs, 5, "callback", callback)
         original_options = guider.model_options
         guider.model_options = comfy.model_patcher.create_model_options_clone(original_options)
         guider.model_options.setdefault("transformer_options", {})[STATE_KEY] = run
@@ -244,8 +243,8 @@ def make_outer_sample_wrapper(config: DeepCacheConfig) -> Callable:
 
 
 def deepcache_predict_noise(executor, *args, **kwargs):
-    timestep = args[1] if len(args) > 1 else kwargs["timestep"]
-    model_options = args[2] if len(args) > 2 else kwargs.get("model_options", {})
+    timestep = wrapper_arg(args, kwargs, 1, "timestep")
+    model_options = wrapper_arg(args, kwargs, 2, "model_options", {})
     run = current_run(model_options.get("transformer_options"))
     if run is None:
         return executor(*args, **kwargs)
@@ -257,7 +256,7 @@ def deepcache_predict_noise(executor, *args, **kwargs):
 
 
 def deepcache_apply_model(executor, *args, **kwargs):
-    transformer_options = args[5] if len(args) > 5 else kwargs.get("transformer_options")
+    transformer_options = wrapper_arg(args, kwargs, 5, "transformer_options", None)
     run = current_run(transformer_options)
     if run is None:
         return executor(*args, **kwargs)

@@ -12,14 +12,14 @@ import comfy.ops
 import torch
 from torch.nn.modules.utils import _pair
 
-from ..kernels import dequantize_weight, int8_conv2d, int8_linear, quantize_weight_per_channel, weight_qmax
+from ...kernels import dequantize_weight, int8_conv2d, int8_linear, quantize_weight_per_channel, weight_qmax
+from ..layers import layer_kind, patches_in_forward
 
 
 def effective_weight_and_bias(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight and bias a float layer computes with right now, LoRA included (also in low-VRAM mode,
     where ComfyUI keeps the LoRA in `weight_function` and applies it per forward)."""
-    if getattr(module, "comfy_cast_weights", False) or getattr(module, "weight_function", None) \
-            or getattr(module, "bias_function", None):
+    if patches_in_forward(module):
         weight, bias = comfy.ops.cast_bias_weight(module, dtype=torch.float32, device=module.weight.device)
         return weight.detach(), None if bias is None else bias.detach()
     return module.weight.detach(), None if module.bias is None else module.bias.detach()
@@ -154,16 +154,13 @@ class Int8Conv2d(_Int8Layer):
 
 
 def is_quantizable(module: torch.nn.Module) -> str | None:
-    """'linear' / 'conv' when `module` is a leaf layer the INT8 path supports, else None."""
-    if isinstance(module, _Int8Layer):
+    """'linear' / 'conv' when `module` is an ordinary float layer the INT8 path supports, else None."""
+    kind = layer_kind(module)
+    if kind not in ("linear", "conv"):
         return None
-    weight = getattr(module, "weight", None)
+    weight = module.weight
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.device.type == "meta":
         return None
-    if isinstance(module, torch.nn.Linear):
-        return "linear"
-    if isinstance(module, torch.nn.Conv2d):
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            return None
-        return "conv"
-    return None
+    if kind == "conv" and (module.padding_mode != "zeros" or isinstance(module.padding, str)):
+        return None
+    return kind

@@ -9,7 +9,7 @@ read the decision made by the sampler-level wrappers; they hold no step logic of
 
 from __future__ import annotations
 
-from .deepcache_steps import Mode, chunk_signature, current_call, current_run
+from .steps import Mode, chunk_signature, current_call, current_run
 
 STREAMS = ("img", "txt")
 

@@ -1,0 +1,43 @@
+"""The Compile Model node: widgets in, one call to the compile core, MODEL out."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from . import DYNAMIC_CHOICES, MODE_CHOICES, CompileSettings, available_backends, compile_model
+
+
+class Int8AccelCompile(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="Int8AccelCompile",
+            display_name="Compile Model",
+            category="int8-accel",
+            description=(
+                "Speeds up sampling with torch.compile, compiling only the pieces that win on your device "
+                "(on the CPU also prepacked conv/linear weights and fused attention). Compiles on the first "
+                "run; LoRA before or after this node keeps working; falls back to eager with a warning if the "
+                "backend or compiler is missing."),
+            inputs=[
+                io.Model.Input("model", tooltip="The model to compile (it is cloned, never changed)."),
+                io.Combo.Input("backend", options=available_backends(), default="inductor", tooltip=(
+                    "torch.compile backend. inductor generates fused kernels (needs a C++ compiler on CPU, "
+                    "Triton on GPU); aot_eager/eager only trace, for debugging.")),
+                io.Combo.Input("mode", options=MODE_CHOICES, default="default", tooltip=(
+                    "Inductor mode. reduce-overhead uses CUDA graphs on GPU; max-autotune searches kernel "
+                    "configs (slow first compile). Ignored by other backends.")),
+                io.Combo.Input("dynamic", options=DYNAMIC_CHOICES, default="auto", tooltip=(
+                    "Dynamic shapes. auto/true: compile once for all resolutions and channel counts; false: "
+                    "static shapes, one compile per new shape (each new resolution recompiles).")),
+                io.Boolean.Input("fullgraph", default=False, tooltip=(
+                    "Fail a compiled region on any graph break instead of splitting it (a failure still falls "
+                    "back to eager with a warning).")),
+            ],
+            outputs=[io.Model.Output(display_name="model")],
+        )
+
+    @classmethod
+    def execute(cls, model, backend: str, mode: str, dynamic: str, fullgraph: bool) -> io.NodeOutput:
+        settings = CompileSettings(backend=backend, mode=mode, dynamic=dynamic, fullgraph=bool(fullgraph))
+        return io.NodeOutput(compile_model(model, settings))

@@ -1,0 +1,100 @@
+"""The compiled regions: small pointwise chains Inductor fuses better than eager runs them, compiled once per
+settings and shared by every model compiled with them, with their compile times in the log."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .settings import CompileSettings
+
+log = logging.getLogger("int8_accel.compile")
+
+_region_state = threading.local()
+_compile_started: dict[str, float] = {}
+
+
+def _on_compile_start(args) -> None:
+    region = getattr(_region_state, "name", None)
+    if region is not None:
+        _compile_started[args.compile_id] = time.perf_counter()
+        log.info("int8-accel compile: compiling %s (%s) ...", region, args.compile_id)
+
+
+def _on_compile_end(args) -> None:
+    started = _compile_started.pop(args.compile_id, None)
+    region = getattr(_region_state, "name", None)
+    if started is not None:
+        seconds = time.perf_counter() - started
+        log.info("int8-accel compile: compiled %s in %.1f s", region, seconds)
+
+
+_callbacks_registered = False
+
+
+def register_compile_callbacks() -> None:
+    global _callbacks_registered
+    if _callbacks_registered:
+        return
+    from torch._dynamo import callback
+
+    callback.on_compile_start(_on_compile_start)
+    callback.on_compile_end(_on_compile_end)
+    _callbacks_registered = True
+
+
+def group_norm_silu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                    groups: int, eps: float) -> torch.Tensor:
+    return F.silu(F.group_norm(x, groups, weight, bias, eps))
+
+
+def geglu_gate(h: torch.Tensor) -> torch.Tensor:
+    x, gate = h.chunk(2, dim=-1)
+    return x * F.gelu(gate)
+
+
+class CompiledRegion:
+    """One function compiled with the node's settings; falls back to eager for good if compiling fails."""
+
+    def __init__(self, name: str, fn: Callable, settings: CompileSettings, disabled_reason: str | None = None):
+        self.name = name
+        self.eager = fn
+        self.disabled_reason = disabled_reason
+        self.compiled = None
+        if disabled_reason is None:
+            self.compiled = torch.compile(fn, **settings.compile_kwargs())
+
+    def __call__(self, *args):
+        if self.compiled is None:
+            return self.eager(*args)
+        _region_state.name = self.name
+        try:
+            return self.compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - a compiler failure must not fail the prompt
+            out = self.eager(*args)  # a genuine runtime error re-raises from here
+            self.compiled = None
+            self.disabled_reason = f"{type(exc).__name__}: {exc}"
+            log.warning("int8-accel compile: compiling %s failed, running it eagerly from now on (%s)",
+                        self.name, self.disabled_reason.splitlines()[0][:300])
+            return out
+        finally:
+            _region_state.name = None
+
+
+_regions_by_settings: dict[tuple[CompileSettings, str | None], dict[str, CompiledRegion]] = {}
+
+
+def compiled_regions(settings: CompileSettings, disabled_reason: str | None) -> dict[str, CompiledRegion]:
+    """The regions for these settings, shared by every MODEL compiled with them (one compile, many clones)."""
+    key = (settings, disabled_reason)
+    if key not in _regions_by_settings:
+        _regions_by_settings[key] = {
+            "group_norm_silu": CompiledRegion("group_norm_silu", group_norm_silu, settings, disabled_reason),
+            "geglu_gate": CompiledRegion("geglu_gate", geglu_gate, settings, disabled_reason),
+        }
+    return _regions_by_settings[key]

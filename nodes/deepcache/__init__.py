@@ -1,0 +1,82 @@
+"""DeepCache: `apply_deepcache(model, ...)` returns a clone of a ComfyUI MODEL that runs the whole network only
+every `cache_interval` sampler steps and, in between, only the shallow blocks on top of cached deep features."""
+
+from __future__ import annotations
+
+import logging
+
+from .dit import dit_block_layout, install_dit, max_dit_depth
+from .steps import STATE_KEY, WRAPPER_KEY, DeepCacheConfig, install_step_wrappers
+from .unet import install_unet, is_unet, max_unet_depth
+
+log = logging.getLogger("int8_accel.deepcache")
+
+__all__ = ["DeepCacheConfig", "apply_deepcache"]
+
+
+def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_percent: float = 0.0,
+                    end_percent: float = 1.0):
+    """Return a clone of `model` (a ModelPatcher) with DeepCache; raise ValueError on bad settings."""
+    cache_interval, cache_depth = int(cache_interval), int(cache_depth)
+    start_percent, end_percent = float(start_percent), float(end_percent)
+    if cache_interval < 1:
+        raise ValueError(f"DeepCache: cache_interval must be at least 1, got {cache_interval}.")
+    if cache_depth < 1:
+        raise ValueError(f"DeepCache: cache_depth must be at least 1, got {cache_depth}.")
+    if not 0.0 <= start_percent < end_percent <= 1.0:
+        raise ValueError(f"DeepCache: start_percent ({start_percent}) must be smaller than end_percent "
+                         f"({end_percent}), both within 0..1.")
+
+    diffusion_model = model.get_model_object("diffusion_model")
+    layout = None
+    if is_unet(diffusion_model):
+        limit = max_unet_depth(diffusion_model)
+        kind = f"this UNet has {limit} input blocks"
+    else:
+        layout = dit_block_layout(diffusion_model)
+        if layout is None:
+            log.warning("DeepCache: %s is not supported (UNet, Flux and SD3 are); the model passes through "
+                        "unchanged.", type(diffusion_model).__name__)
+            return model
+        limit = max_dit_depth(layout)
+        kind = f"this {type(diffusion_model).__name__} has {len(layout)} blocks and needs at least one middle block"
+    if cache_depth > limit:
+        raise ValueError(f"DeepCache: cache_depth {cache_depth} is too large: {kind}, so the largest "
+                         f"cache_depth is {limit}.")
+
+    patched = model.clone()
+    _remove_previous_deepcache(patched)
+    config = DeepCacheConfig(cache_interval, cache_depth, start_percent, end_percent)
+    install_step_wrappers(patched, config)
+    if layout is None:
+        install_unet(patched, cache_depth)
+    else:
+        install_dit(patched, cache_depth, layout)
+    patched.model_options.setdefault("transformer_options", {})[STATE_KEY + "_config"] = config
+    return patched
+
+
+def _remove_previous_deepcache(model) -> None:
+    """A second DeepCache node on the same model replaces the first one (last one wins)."""
+    from comfy.patcher_extension import WrappersMP
+
+    options = model.model_options.setdefault("transformer_options", {})
+    if options.pop(STATE_KEY + "_config", None) is None:
+        return
+    log.warning("DeepCache: the model already had DeepCache applied; the new settings replace the old ones.")
+    for wrapper_type in (WrappersMP.OUTER_SAMPLE, WrappersMP.PREDICT_NOISE, WrappersMP.APPLY_MODEL,
+                         WrappersMP.DIFFUSION_MODEL):
+        model.remove_wrappers_with_key(wrapper_type, WRAPPER_KEY)
+    patches = options.get("patches", {})
+    if "output_block_patch" in patches:
+        patches["output_block_patch"] = [p for p in patches["output_block_patch"]
+                                         if not getattr(p, "int8_accel_deepcache", False)]
+    dit = options.get("patches_replace", {}).get("dit")
+    if dit:
+        restored = {}
+        for key, fn in dit.items():
+            if getattr(fn, "int8_accel_deepcache", False):
+                fn = fn.previous
+            if fn is not None:
+                restored[key] = fn
+        options["patches_replace"]["dit"] = restored

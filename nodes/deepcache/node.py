@@ -1,0 +1,58 @@
+"""The DeepCache node: widgets in, one call to the DeepCache core, MODEL out."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from . import apply_deepcache
+
+MAX_DEPTH_WIDGET = 64
+
+DESCRIPTION = (
+    "DeepCache: runs the whole network only every `cache_interval` sampler steps; in between, only the "
+    "shallow blocks run on top of the deep features cached at the last full step. Steps are counted from the "
+    "sigma schedule (cond and uncond share a step; heun/dpm2 intermediate evaluations always run in full) and "
+    "the cache is dropped at the end of every sampling run. UNets (SD1.x, SD2.x, SDXL): cache_depth k runs "
+    "input_blocks[0:k] and output_blocks[N-k:] (block 0 is the input conv). OneDiff's (cache_layer_id, "
+    "cache_block_id) = (0, b) is cache_depth b + 2 here; for deeper layers OneDiff uses "
+    "sum(num_res_blocks[:cache_layer_id]) + cache_block_id + 2 (it does not count the downsample blocks). "
+    "DiT (Flux, SD3): the first and last k transformer blocks run and the cached residual of the middle "
+    "blocks is added."
+)
+
+
+class Int8AccelDeepCache(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="Int8AccelDeepCache",
+            display_name="DeepCache",
+            category="int8-accel",
+            description=DESCRIPTION,
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to accelerate (UNet: SD1.x/SD2.x/SDXL; DiT: "
+                                                "Flux, SD3). Other models pass through unchanged."),
+                io.Int.Input("cache_interval", default=3, min=1, max=1000, tooltip=(
+                    "Run the full network every N sampler steps and reuse the cached deep features in between. "
+                    "1 disables caching (output identical to the model without this node). The DeepCache paper "
+                    "uses 3 to 5 for 50 steps; use 2 to 3 near 20 steps.")),
+                io.Int.Input("cache_depth", default=1, min=1, max=MAX_DEPTH_WIDGET, tooltip=(
+                    "How many shallow blocks run on cached steps. UNet: input/output block pairs "
+                    "(input_blocks[0:k] and output_blocks[N-k:]; 1 = input conv plus the last output block; "
+                    "OneDiff cache_layer_id=0, cache_block_id=b equals b+2). DiT: blocks at each end. Larger is "
+                    "slower and closer to the uncached output.")),
+                io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01, tooltip=(
+                    "Where in the sampling schedule caching starts (0 = first step), converted to a sigma with "
+                    "the model's own schedule, as core nodes do. Steps outside start..end always run in full.")),
+                io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01, tooltip=(
+                    "Where in the sampling schedule caching ends (1 = last step). Must be larger than "
+                    "start_percent.")),
+            ],
+            outputs=[io.Model.Output(display_name="model",
+                                     tooltip="The model with DeepCache applied (the input model is not modified).")],
+        )
+
+    @classmethod
+    def execute(cls, model, cache_interval: int, cache_depth: int, start_percent: float,
+                end_percent: float) -> io.NodeOutput:
+        return io.NodeOutput(apply_deepcache(model, cache_interval, cache_depth, start_percent, end_percent))

@@ -1,0 +1,45 @@
+"""The shared INT8 core: `apply_int8(model, settings)` returns a clone of a ComfyUI MODEL whose Linear and
+Conv2d layers run in INT8 where calibration on the real sampling inputs finds that accurate and worth it."""
+
+from __future__ import annotations
+
+import logging
+
+import comfy.patcher_extension
+
+from .plan import WRAPPER_KEY, Int8Plan, find_candidates, unwrap_compiled
+from .settings import ENABLE, QuantizeSettings, settings_from_widgets
+
+log = logging.getLogger("int8_accel.int8")
+
+__all__ = ["ENABLE", "Int8Plan", "QuantizeSettings", "apply_int8", "int8_plan", "settings_from_widgets"]
+
+
+def apply_int8(model, settings: QuantizeSettings, node_id: str | None = None):
+    """(model, report): a clone of `model` (a ModelPatcher) carrying the INT8 plan, and the node's report.
+
+    The input model is never modified. A model with nothing to quantize comes back as it was, with a report
+    that says why. `node_id` lets the core show its calibration summary on that node in the page."""
+    settings.validate()
+    diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
+    if diffusion_model is None:
+        name = type(getattr(model, "model", model)).__name__
+        log.warning("int8-accel: %s has no diffusion model to quantize; passing it through unchanged", name)
+        return model, f"Unsupported model type ({name}): it has no diffusion model, so it passes through unchanged."
+    candidates = find_candidates(unwrap_compiled(diffusion_model))
+    if not any(settings.kind_enabled(kind) for _, kind in candidates.values()):
+        why = ("no Linear or Conv2d layer the INT8 path supports" if not candidates else
+               "every layer kind is disabled or has an error threshold of 0")
+        return model, f"Nothing to quantize ({why}): the model is returned unchanged."
+    quantized = model.clone()
+    plan = Int8Plan(settings, node_id=node_id)
+    plan.attach(quantized)
+    return quantized, plan.node_report(quantized, candidates)
+
+
+def int8_plan(model) -> Int8Plan | None:
+    """The INT8 plan a MODEL carries (None when it went through no Quantize node)."""
+    wrappers = model.wrappers.get(comfy.patcher_extension.WrappersMP.APPLY_MODEL, {}).get(WRAPPER_KEY, [])
+    plans = [getattr(wrapper, "__self__", None) for wrapper in wrappers]
+    plans = [plan for plan in plans if isinstance(plan, Int8Plan)]
+    return plans[-1] if plans else None

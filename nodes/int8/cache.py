@@ -1,0 +1,70 @@
+"""The calibration decisions and reports on disk, so a restart or another prompt skips calibration."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from .calibration import CACHE_FORMAT_VERSION, CalibrationResult
+from .settings import QuantizeSettings
+
+log = logging.getLogger("int8_accel.int8")
+
+
+def cache_dir() -> Path:
+    override = os.environ.get("INT8_ACCEL_CACHE_DIR")
+    if override:
+        return Path(override)
+    import folder_paths
+
+    return Path(folder_paths.get_user_directory()) / "int8_accel" / "calibration"
+
+
+def load_result(key: str) -> CalibrationResult | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != CACHE_FORMAT_VERSION:
+            return None
+        return CalibrationResult.from_json(data)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("int8-accel: ignoring unreadable calibration cache %s (%s)", path, exc)
+        return None
+
+
+_report_generations: dict[str, int] = {}
+
+
+def report_generation(settings: QuantizeSettings) -> int:
+    """How many calibration reports were written in this process for these settings (changes when a new one is)."""
+    return _report_generations.get(settings.key(), 0)
+
+
+def save_result(result: CalibrationResult, fingerprint: str, settings: QuantizeSettings, report: str) -> None:
+    _report_generations[settings.key()] = report_generation(settings) + 1
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = json.dumps(result.to_json(), indent=1)
+        tmp = directory / f".{result.key}.{os.getpid()}.tmp"
+        tmp.write_text(payload)
+        tmp.replace(directory / f"{result.key}.json")
+        (directory / f"report-{_report_key(fingerprint, settings)}.txt").write_text(report)
+    except OSError as exc:
+        log.warning("int8-accel: could not write the calibration cache in %s (%s)", directory, exc)
+
+
+def load_last_report(fingerprint: str, settings: QuantizeSettings) -> str | None:
+    try:
+        return (cache_dir() / f"report-{_report_key(fingerprint, settings)}.txt").read_text()
+    except OSError:
+        return None
+
+
+def _report_key(fingerprint: str, settings: QuantizeSettings) -> str:
+    return hashlib.sha256((fingerprint + settings.key()).encode()).hexdigest()[:32]

@@ -1,0 +1,79 @@
+"""The "Quantize Model (INT8)" node: widgets in, one call to the INT8 core, MODEL and report out."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from . import apply_int8
+from .cache import report_generation
+from .settings import ENABLE, QuantizeSettings, settings_from_widgets
+
+MSE_TOOLTIP = (
+    "Normalized output error allowed for a {kind} layer: mean((y_int8 - y)^2) / mean(y^2), measured on the "
+    "real inputs of the first sampling step. Layers above it stay in floating point; 0 keeps every {kind} "
+    "layer in floating point, 1 accepts any error."
+)
+WIDGETS = ("bits", "quantize_conv", "quantize_linear", "conv_mse_threshold", "linear_mse_threshold",
+           "compute_density_threshold")
+
+
+class Int8AccelQuantize(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="Int8AccelQuantize",
+            display_name="Quantize Model (INT8)",
+            category="int8-accel",
+            description=(
+                "Runs the model's Linear and Conv2d layers in INT8 (W8A8) where that is accurate and worth it. "
+                "The first sampling step calibrates: every candidate layer measures its INT8 error on the real "
+                "inputs, and layers that pass both gates (error and compute density) switch to INT8 from the "
+                "next step on. The decision is cached on disk per model, LoRA, settings and latent size, so "
+                "later runs skip calibration."),
+            inputs=[
+                io.Model.Input("model", tooltip="The model to accelerate. It is cloned, never modified."),
+                io.Int.Input("bits", default=8, min=8, max=8, step=1, tooltip=(
+                    "8 = W8A8: int8 weights (symmetric, per output channel) and int8 activations quantized at "
+                    "run time (per token for Linear, per tensor for Conv2d), int32 accumulation, rescaled to "
+                    "the compute dtype, bias added after. Only 8 is supported.")),
+                io.Combo.Input("quantize_conv", options=list(ENABLE), default="enable",
+                               tooltip="Consider Conv2d layers."),
+                io.Combo.Input("quantize_linear", options=list(ENABLE), default="enable",
+                               tooltip="Consider Linear layers."),
+                io.Float.Input("conv_mse_threshold", default=0.1, min=0.0, max=1.0, step=0.001,
+                               tooltip=MSE_TOOLTIP.format(kind="Conv2d")),
+                io.Float.Input("linear_mse_threshold", default=0.1, min=0.0, max=1.0, step=0.001,
+                               tooltip=MSE_TOOLTIP.format(kind="Linear")),
+                io.Int.Input("compute_density_threshold", default=300, min=0, max=1_000_000, step=1, tooltip=(
+                    "Minimum arithmetic intensity M*K*N / (M*K + K*N + M*N) for a layer to be quantized, with "
+                    "M tokens (Conv2d: batch*H_out*W_out), K inputs (Conv2d: C_in*kh*kw/groups) and N outputs. "
+                    "Layers below it do too little work to repay quantizing their activations.")),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model",
+                                tooltip="The model with INT8 layers (swapped in while it runs)."),
+                io.String.Output(display_name="report", tooltip=(
+                    "One row per candidate layer (name, kind, shape, density, error, decision) and a summary. "
+                    "Calibration runs during the first sampling step, so a new model or setting shows it from "
+                    "the next run on.")),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def validate_inputs(cls, bits: int) -> bool | str:
+        return QuantizeSettings(bits=int(bits)).bits_error() or True
+
+    @classmethod
+    def fingerprint_inputs(cls, **inputs) -> str:
+        # The report is written during sampling, after this node ran: run again once a new one exists.
+        settings = settings_from_widgets(**{name: value for name, value in inputs.items() if name in WIDGETS})
+        return f"{settings.key()}#{report_generation(settings)}"
+
+    @classmethod
+    def execute(cls, model, bits: int, quantize_conv: str, quantize_linear: str, conv_mse_threshold: float,
+                linear_mse_threshold: float, compute_density_threshold: int) -> io.NodeOutput:
+        settings = settings_from_widgets(bits, quantize_conv, quantize_linear, conv_mse_threshold,
+                                         linear_mse_threshold, compute_density_threshold)
+        quantized, report = apply_int8(model, settings, node_id=cls.hidden.unique_id)
+        return io.NodeOutput(quantized, report)

@@ -1,0 +1,30 @@
+"""The human-readable calibration report the node returns and the log shows."""
+
+from __future__ import annotations
+
+from .calibration import CalibrationResult
+from .settings import QuantizeSettings
+
+
+def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_bytes: dict[str, int]) -> str:
+    header = f"{'layer':<58} {'kind':<6} {'shape':<20} {'density':>9} {'norm. MSE':>10}  decision"
+    lines = [f"INT8 calibration on latent {result.shape} ({result.seconds:.1f} s); "
+             f"norm. MSE = mean((y_int8 - y)^2) / mean(y^2) per layer", header]
+    for layer in result.layers:
+        error = "-" if layer.error is None else f"{layer.error:.2e}"
+        shape = "x".join(str(d) for d in layer.weight_shape)
+        lines.append(f"{layer.name:<58} {layer.kind:<6} {shape:<20} {layer.density:>9.1f} {error:>10}  "
+                     f"{layer.decision}")
+    chosen = [layer for layer in result.layers if layer.quantized]
+    float_bytes = sum(weight_bytes.get(layer.name, 0) for layer in chosen)
+    int8_bytes = sum(layer.k * layer.n + 4 * layer.n for layer in chosen)
+    counts = {kind: sum(1 for layer in chosen if layer.kind == kind) for kind in ("linear", "conv")}
+    totals = {kind: sum(1 for layer in result.layers if layer.kind == kind) for kind in ("linear", "conv")}
+    model_error = "-" if result.model_error is None else f"{result.model_error:.2e}"
+    lines.append(
+        f"summary: {len(chosen)}/{len(result.layers)} layers in INT8 (linear {counts['linear']}/{totals['linear']}, "
+        f"conv {counts['conv']}/{totals['conv']}); {100 * result.int8_flop_fraction:.1f}% of the model's FLOPs in "
+        f"INT8; weights of those layers {float_bytes / 2**20:.1f} MiB float -> {int8_bytes / 2**20:.1f} MiB INT8 "
+        f"({(float_bytes - int8_bytes) / 2**20:.1f} MiB smaller; the float originals stay loaded so LoRA and "
+        f"float layers keep working); whole-model output norm. MSE {model_error}")
+    return "\n".join(lines)
