@@ -84,5 +84,5 @@ class CompiledOrEager:
                 return
             self.disabled_reason = f"{type(exc).__name__}: {exc}"
             self.compiled = None
-        first_line = (self.disabled_reason.splitlines() or [""])[0][:300]
-        log.warning("int8-accel: compiling %s failed, running it eagerly from now on (%s)", self.name, first_line)
+        summary = " ".join(self.disabled_reason.split())[:300]
+        log.warning("int8-accel: compiling %s failed, running it eagerly from now on (%s)", self.name, summary)

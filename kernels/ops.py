@@ -131,33 +131,46 @@ def _conv2d_impl(
     return y
 
 
-@torch.library.custom_op("int8_accel::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _linear_impl(x, q_weight, w_scale, bias)
+def _registered() -> bool:
+    try:
+        return hasattr(torch.ops.int8_accel, "linear")
+    except (AttributeError, RuntimeError):
+        return False
 
 
-@_linear_op.register_fake
-def _(x, q_weight, w_scale, bias):
-    return x.new_empty(*x.shape[:-1], q_weight.shape[0])
+# Registered once per process. pytest imports the repository root a second time, as a package named after its
+# directory (when it collects tests/), and torch.library would let that copy's registration replace this one
+# silently, after which the ops would dispatch on the other copy's thread-local state; so a later copy reuses
+# the ops registered first.
+if _registered():
+    _linear_op = torch.ops.int8_accel.linear
+    _conv2d_op = torch.ops.int8_accel.conv2d
+else:
 
+    @torch.library.custom_op("int8_accel::linear", mutates_args=())
+    def _linear_op(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _linear_impl(x, q_weight, w_scale, bias)
 
-@torch.library.custom_op("int8_accel::conv2d", mutates_args=())
-def _conv2d_op(
-    x: torch.Tensor,
-    q_weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-) -> torch.Tensor:
-    return _conv2d_impl(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
+    @_linear_op.register_fake
+    def _(x, q_weight, w_scale, bias):
+        return x.new_empty(*x.shape[:-1], q_weight.shape[0])
 
+    @torch.library.custom_op("int8_accel::conv2d", mutates_args=())
+    def _conv2d_op(
+        x: torch.Tensor,
+        q_weight: torch.Tensor,
+        w_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        stride: list[int],
+        padding: list[int],
+        dilation: list[int],
+        groups: int,
+    ) -> torch.Tensor:
+        return _conv2d_impl(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
 
-@_conv2d_op.register_fake
-def _(x, q_weight, w_scale, bias, stride, padding, dilation, groups):
-    return x.new_empty(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation))
+    @_conv2d_op.register_fake
+    def _(x, q_weight, w_scale, bias, stride, padding, dilation, groups):
+        return x.new_empty(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation))
 
 
 def int8_linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -19,7 +19,11 @@ import torch
 
 
 def content_checksum(tensor: torch.Tensor) -> int:
-    """Sum of the tensor's bytes read as int64 words (wrapping): one pass at memory speed over all of it."""
+    """Sum of the tensor's bytes read as int64 words (wrapping): one pass at memory speed over all of it.
+
+    Changing any single value changes it; being a sum, it misses rewrites that only permute whole 8-byte words
+    (or whose changes cancel out exactly).
+    """
     flat = tensor.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
