@@ -32,6 +32,7 @@ load_pack()  # this repository as the package ComfyUI loads; no ComfyUI needed f
 
 from comfyui_int8_accel.kernels import (  # noqa: E402
     backend_for,
+    conv_output_shape,
     cpu,
     int8_conv2d,
     int8_linear,
@@ -134,17 +135,21 @@ def linear_case(m: int, k: int, n: int, variants: bool) -> tuple[dict, dict]:
     return fns, {name: ref for name in fns}
 
 
+def measure(fns: dict, refs: dict, reps: int, **row) -> dict:
+    """One table row: `row` (shape, where, macs) plus median ms, error and the backend/path of each candidate."""
+    with torch.inference_mode():
+        row["ms"] = median_times(fns, reps)
+        row["err"] = {name: rel_err(fn(), refs[name]) for name, fn in fns.items()}
+        row["served"] = served_by(fns["int8"])
+    print(format_row(row), flush=True)
+    return row
+
+
 def bench_linear(reps: int, quick: bool, variants: bool) -> list[dict]:
-    rows = []
-    for m, k, n, where in LINEAR_SHAPES[:4] if quick else LINEAR_SHAPES:
-        fns, refs = linear_case(m, k, n, variants)
-        with torch.inference_mode():
-            ms = median_times(fns, reps)
-            errs = {name: rel_err(fn(), refs[name]) for name, fn in fns.items()}
-            served = served_by(fns["int8"])
-        rows.append({"shape": f"{m}x{k}x{n}", "where": where, "macs": m * k * n, "ms": ms, "err": errs, "served": served})
-        print(format_row(rows[-1]), flush=True)
-    return rows
+    return [
+        measure(*linear_case(m, k, n, variants), reps, shape=f"{m}x{k}x{n}", where=where, macs=m * k * n)
+        for m, k, n, where in (LINEAR_SHAPES[:4] if quick else LINEAR_SHAPES)
+    ]
 
 
 def conv_case(c_in: int, c_out: int, size: int, kernel: int, stride: int, variants: bool) -> tuple[dict, dict]:
@@ -167,17 +172,10 @@ def conv_case(c_in: int, c_out: int, size: int, kernel: int, stride: int, varian
 def bench_conv(reps: int, quick: bool, variants: bool) -> list[dict]:
     rows = []
     for c_in, c_out, size, kernel, stride, where in CONV_SHAPES[:3] if quick else CONV_SHAPES:
-        fns, refs = conv_case(c_in, c_out, size, kernel, stride, variants)
-        with torch.inference_mode():
-            ms = median_times(fns, reps)
-            errs = {name: rel_err(fn(), refs[name]) for name, fn in fns.items()}
-            served = served_by(fns["int8"])
-        pad = kernel // 2
-        h_out = (size + 2 * pad - kernel) // stride + 1
-        macs = h_out * h_out * c_in * kernel * kernel * c_out
-        rows.append({"shape": f"{c_in}->{c_out} k{kernel} s{stride} @{size}", "where": where, "macs": macs, "ms": ms,
-                     "err": errs, "served": served})  # fmt: skip
-        print(format_row(rows[-1]), flush=True)
+        _, _, h_out, w_out = conv_output_shape((1, c_in, size, size), (c_out, c_in, kernel, kernel), stride, kernel // 2, 1)
+        macs = h_out * w_out * c_in * kernel * kernel * c_out
+        shape = f"{c_in}->{c_out} k{kernel} s{stride} @{size}"
+        rows.append(measure(*conv_case(c_in, c_out, size, kernel, stride, variants), reps, shape=shape, where=where, macs=macs))
     return rows
 
 

@@ -1,8 +1,8 @@
 """The `cpu` backend: oneDNN INT8 GEMM/conv on prepacked weights, with a cheap activation quantizer.
 
-Linear (per token): rows are quantized to uint8 with their own scale and zero point 128, the oneDNN GEMM runs
-with activation scale 1 (fp32 output, per-channel weight scales applied inside), then one in-place pass
-multiplies each row by its scale and adds the bias. Per tensor (`set_linear_activation_granularity("tensor")`)
+Linear (per token): rows are quantized as the reference does, stored as uint8 with zero point 128, the oneDNN
+GEMM runs with activation scale 1 (fp32 output, per-channel weight scales applied inside), then one in-place
+pass multiplies each row by its scale and adds the bias. Per tensor (`set_linear_activation_granularity("tensor")`)
 fbgemm's dynamic linear does everything in one op. Conv2d (per tensor, affine uint8): the scale and zero point
 go straight into `onednn.qconv_pointwise`, which also adds the bias; on small feature maps a per-row INT8 GEMM
 over im2col patches runs instead.
@@ -21,7 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from .compiled import CompiledOrEager
-from .quant import ACT_QMAX, as_contiguous, conv_output_shape, dequantize_weight, linear_activation_granularity
+from .quant import (
+    as_contiguous,
+    conv_output_shape,
+    dequantize_weight,
+    linear_activation_granularity,
+    round_rows_symmetric,
+)
 from .weight_cache import CACHE
 
 # Below these many multiply-accumulates per call float32 is faster than INT8 (bench/bench_kernels.py).
@@ -52,12 +58,10 @@ def fbgemm_available() -> bool:
 
 
 def quantize_rows_u8_eager(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric quantization stored as uint8 with zero point 128: values in [1, 255]."""
-    x = x2d.float()
-    amax = x.abs().amax(dim=1, keepdim=True)
-    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    q = torch.floor(x * (ACT_QMAX / safe) + 0.5).clamp_(-ACT_QMAX, ACT_QMAX).add_(128).to(torch.uint8)
-    return q, safe / ACT_QMAX
+    """The reference's per-row quantization stored as uint8 with zero point 128 (values in [1, 255]) for oneDNN,
+    and the row scales as a column [M, 1]."""
+    q, scale = round_rows_symmetric(x2d)
+    return q.add_(128).to(torch.uint8), scale
 
 
 def quantize_tensor_u8_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,16 +159,8 @@ def _linear_int8(x2d, q_weight, w_scale, bias, bias32, per_token: bool) -> torch
     return torch.addcmul(bias32, y, row_scale, out=y)
 
 
-def conv2d(
-    x: torch.Tensor,
-    q_weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-) -> tuple[torch.Tensor, str]:
+def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
     cout, cin_g, kh, kw = q_weight.shape
     bias32 = None if bias is None else bias.to(torch.float32)
     batch, _, h_out, w_out = conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)

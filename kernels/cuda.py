@@ -106,16 +106,8 @@ def _im2col_int8(xq: torch.Tensor, kernel: tuple[int, int], out_hw: tuple[int, i
     return cols.permute(0, 3, 4, 1, 2).reshape(b * h_out * w_out, c * kh * kw)
 
 
-def conv2d(
-    x: torch.Tensor,
-    q_weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-) -> tuple[torch.Tensor, str]:
+def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
     xq, zp_signed, scale = quantize_conv_input(x)
     cout, cin_g, kh, kw = q_weight.shape
     b, _, h_out, w_out = conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)

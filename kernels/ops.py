@@ -111,16 +111,8 @@ def _linear_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
     return y
 
 
-def _conv2d_impl(
-    x: torch.Tensor,
-    q_weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-) -> torch.Tensor:
+def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                 stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     backend = backend_for(x.device)
     stride, padding, dilation = list(stride), list(padding), list(dilation)
     if x.numel() == 0:
@@ -156,16 +148,8 @@ else:
         return x.new_empty(*x.shape[:-1], q_weight.shape[0])
 
     @torch.library.custom_op("int8_accel::conv2d", mutates_args=())
-    def _conv2d_op(
-        x: torch.Tensor,
-        q_weight: torch.Tensor,
-        w_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        stride: list[int],
-        padding: list[int],
-        dilation: list[int],
-        groups: int,
-    ) -> torch.Tensor:
+    def _conv2d_op(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
         return _conv2d_impl(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
 
     @_conv2d_op.register_fake

@@ -85,17 +85,23 @@ def dequantize_weight(q_weight: torch.Tensor, w_scale: torch.Tensor, dtype: torc
     return (q_weight.to(torch.float32) * _per_row_view(w_scale.to(torch.float32), q_weight.ndim)).to(dtype)
 
 
-def quantize_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token activation quantization: float [M, K] -> (int8 [M, K] in [-127, 127], float32 scale [M]).
+def round_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token activation quantization before the integer cast: float [M, K] -> (float32 integers in
+    [-127, 127], float32 scale [M, 1]).
 
     Written as `floor(x * (127 / amax) + 0.5)` so the Triton kernel can reproduce it bit for bit.
     """
     x = x2d.to(torch.float32)
-    amax = x.abs().amax(dim=1)
+    amax = x.abs().amax(dim=1, keepdim=True)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     inv_scale = torch.full_like(safe, ACT_QMAX) / safe  # a true division (`127 / t` is 127 * reciprocal(t))
-    q = torch.floor(x * inv_scale[:, None] + 0.5).clamp_(-ACT_QMAX, ACT_QMAX).to(torch.int8)
-    return q, safe / ACT_QMAX
+    return torch.floor(x * inv_scale + 0.5).clamp_(-ACT_QMAX, ACT_QMAX), safe / ACT_QMAX
+
+
+def quantize_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token activation quantization: float [M, K] -> (int8 [M, K] in [-127, 127], float32 scale [M])."""
+    q, scale = round_rows_symmetric(x2d)
+    return q.to(torch.int8), scale[:, 0]
 
 
 def affine_qparams(x: torch.Tensor) -> tuple[float, int]:

@@ -42,16 +42,8 @@ def linear(
     return y.reshape(*x.shape[:-1], q_weight.shape[0]).to(x.dtype), "int8"
 
 
-def conv2d(
-    x: torch.Tensor,
-    q_weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-) -> tuple[torch.Tensor, str]:
+def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
     w = dequantize_weight(q_weight, w_scale)
     b = None if bias is None else bias.to(torch.float32)
     y = F.conv2d(_dequantize_affine(x), w, b, stride, padding, dilation, groups)

@@ -41,16 +41,8 @@ def linear(
     return y.reshape(*x.shape[:-1], n), "int8"
 
 
-def conv2d(
-    x: torch.Tensor,
-    q_weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-) -> tuple[torch.Tensor, str]:
+def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
     xq, zp_signed, scale = quantize_conv_input(x)
     y = _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, w_scale, bias, stride, padding, dilation, groups)
     return y.to(x.dtype), "int8"

@@ -141,18 +141,9 @@ def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
     return out
 
 
-def conv2d_int8(
-    x_q: torch.Tensor,
-    x_zero_point: int,
-    x_scale: float,
-    q_weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-    groups: int,
-) -> torch.Tensor:
+def conv2d_int8(x_q: torch.Tensor, x_zero_point: int, x_scale: float, q_weight: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, stride: list[int], padding: list[int], dilation: list[int],
+                groups: int) -> torch.Tensor:  # fmt: skip
     """Implicit-GEMM INT8 conv on signed int8 NCHW activations with a zero point; fp32 NCHW output."""
     _require()
     x_q = x_q.contiguous()

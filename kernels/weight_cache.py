@@ -78,10 +78,6 @@ class WeightCache:
             for key in [k for k in self._entries if k[0] == id(weight)]:
                 del self._entries[key]
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
     def __len__(self) -> int:
         return len(self._entries)
 
