@@ -5,7 +5,9 @@ median times, fp32/candidate ratios and the relative L2 error against a float64 
 layer. Besides the path int8_linear/int8_conv2d actually take ("int8"), it times the alternatives it was chosen
 over. Writes bench/results/kernels.md.
 
-    .venv/bin/python bench/bench_kernels.py [--reps 15] [--quick]
+    .venv/bin/python bench/bench_kernels.py [--reps 15] [--quick] [--out FILE]
+
+`INT8_ACCEL_WEIGHT_BITS=7` times the 7-bit weights of a CPU without VNNI on one that has it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,23 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from kernels import cpu_native, int8_conv2d, int8_linear, normalized_mse, quantize_weight_per_channel, weight_qmax  # noqa: E402
-from kernels.quant import cpu_has_int8_dot_product  # noqa: E402
+from tests.support.comfy_host import load_pack  # noqa: E402
+
+load_pack()  # this repository as the package ComfyUI loads; no ComfyUI needed for the kernels
+
+from comfyui_int8_accel.kernels import (  # noqa: E402
+    backend_for,
+    conv_output_shape,
+    cpu,
+    int8_conv2d,
+    int8_linear,
+    normalized_mse,
+    quantize_weight_per_channel,
+    record_calls,
+    weight_bits,
+    weight_qmax,
+)
+from comfyui_int8_accel.kernels.quant import cpu_has_int8_dot_product  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
 warnings.filterwarnings("ignore", message=".*quantize_per.*deprecated.*")
@@ -75,6 +92,13 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return normalized_mse(y, ref) ** 0.5
 
 
+def served_by(fn) -> str:
+    """backend/path that ran the INT8 call(s) of `fn` (e.g. "cpu/int8", or "cpu/float" below the size cutoff)."""
+    with record_calls() as calls:
+        fn()
+    return ", ".join(sorted(f"{backend}/{path}" for _, backend, path in calls))
+
+
 def linear_variants(x, q, s, b):
     """Alternatives to the chosen per-token oneDNN path, for the record."""
     n = q.shape[0]
@@ -84,14 +108,14 @@ def linear_variants(x, q, s, b):
     fb_packed = torch.ops.quantized.linear_prepack(wq, b)
 
     def onednn_per_tensor():
-        xq, scale, zp = cpu_native.quantize_tensor_u8(x)
+        xq, scale, zp = cpu.quantize_tensor_u8(x)
         return torch.ops.onednn.qlinear_pointwise(xq, float(scale), int(zp), packed, s, zeros, b, 1.0, 0, torch.float32, "none", [], "")
 
     def fbgemm_dynamic_per_tensor():
         return torch.ops.quantized.linear_dynamic(x, fb_packed, False)
 
     def eager_quantizer_per_token():
-        xq, row_scale = cpu_native.quantize_rows_u8_eager(x)
+        xq, row_scale = cpu.quantize_rows_u8_eager(x)
         y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, packed, s, zeros, None, 1.0, 0, torch.float32, "none", [], "")
         return torch.addcmul(b, y, row_scale, out=y)
 
@@ -111,16 +135,21 @@ def linear_case(m: int, k: int, n: int, variants: bool) -> tuple[dict, dict]:
     return fns, {name: ref for name in fns}
 
 
+def measure(fns: dict, refs: dict, reps: int, **row) -> dict:
+    """One table row: `row` (shape, where, macs) plus median ms, error and the backend/path of each candidate."""
+    with torch.inference_mode():
+        row["ms"] = median_times(fns, reps)
+        row["err"] = {name: rel_err(fn(), refs[name]) for name, fn in fns.items()}
+        row["served"] = served_by(fns["int8"])
+    print(format_row(row), flush=True)
+    return row
+
+
 def bench_linear(reps: int, quick: bool, variants: bool) -> list[dict]:
-    rows = []
-    for m, k, n, where in LINEAR_SHAPES[:4] if quick else LINEAR_SHAPES:
-        fns, refs = linear_case(m, k, n, variants)
-        with torch.inference_mode():
-            ms = median_times(fns, reps)
-            errs = {name: rel_err(fn(), refs[name]) for name, fn in fns.items()}
-        rows.append({"shape": f"{m}x{k}x{n}", "where": where, "macs": m * k * n, "ms": ms, "err": errs})
-        print(format_row(rows[-1]), flush=True)
-    return rows
+    return [
+        measure(*linear_case(m, k, n, variants), reps, shape=f"{m}x{k}x{n}", where=where, macs=m * k * n)
+        for m, k, n, where in (LINEAR_SHAPES[:4] if quick else LINEAR_SHAPES)
+    ]
 
 
 def conv_case(c_in: int, c_out: int, size: int, kernel: int, stride: int, variants: bool) -> tuple[dict, dict]:
@@ -143,31 +172,26 @@ def conv_case(c_in: int, c_out: int, size: int, kernel: int, stride: int, varian
 def bench_conv(reps: int, quick: bool, variants: bool) -> list[dict]:
     rows = []
     for c_in, c_out, size, kernel, stride, where in CONV_SHAPES[:3] if quick else CONV_SHAPES:
-        fns, refs = conv_case(c_in, c_out, size, kernel, stride, variants)
-        with torch.inference_mode():
-            ms = median_times(fns, reps)
-            errs = {name: rel_err(fn(), refs[name]) for name, fn in fns.items()}
-        pad = kernel // 2
-        h_out = (size + 2 * pad - kernel) // stride + 1
-        macs = h_out * h_out * c_in * kernel * kernel * c_out
-        rows.append({"shape": f"{c_in}->{c_out} k{kernel} s{stride} @{size}", "where": where, "macs": macs, "ms": ms, "err": errs})
-        print(format_row(rows[-1]), flush=True)
+        _, _, h_out, w_out = conv_output_shape((1, c_in, size, size), (c_out, c_in, kernel, kernel), stride, kernel // 2, 1)
+        macs = h_out * w_out * c_in * kernel * kernel * c_out
+        shape = f"{c_in}->{c_out} k{kernel} s{stride} @{size}"
+        rows.append(measure(*conv_case(c_in, c_out, size, kernel, stride, variants), reps, shape=shape, where=where, macs=macs))
     return rows
 
 
 def format_row(row: dict) -> str:
     base = row["ms"]["fp32"]
     cells = [f"{name} {ms:.2f} ms x{base / ms:.2f} err {row['err'][name]:.4f}" for name, ms in row["ms"].items()]
-    return f"{row['shape']:>24} | " + " | ".join(cells)
+    return f"{row['shape']:>24} | {row['served']} | " + " | ".join(cells)
 
 
 def markdown(title: str, rows: list[dict]) -> list[str]:
     names = list(rows[0]["ms"])
-    head = ["shape", "UNet layer", "MACs"] + [f"{n} ms" for n in names] + [f"fp32/{n}" for n in names[1:]] + [f"err {n}" for n in names]
+    head = ["shape", "UNet layer", "MACs", "int8 served by"] + [f"{n} ms" for n in names] + [f"fp32/{n}" for n in names[1:]] + [f"err {n}" for n in names]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         base = row["ms"]["fp32"]
-        cells = [row["shape"], row["where"], f"{row['macs'] / 1e6:.0f} M"]
+        cells = [row["shape"], row["where"], f"{row['macs'] / 1e6:.0f} M", row["served"]]
         cells += [f"{row['ms'][n]:.2f}" for n in names]
         cells += [f"**{base / row['ms'][n]:.2f}x**" if n == "int8" else f"{base / row['ms'][n]:.2f}x" for n in names[1:]]
         cells += [f"{row['err'][n]:.4f}" for n in names]
@@ -199,12 +223,14 @@ def main() -> None:
         f"Command: `.venv/bin/python bench/bench_kernels.py{' --quick' if args.quick else ''} --reps {args.reps}"
         f"{f' --threads {args.threads}' if args.threads else ''}`. "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-        f"int8 dot-product instructions (VNNI/AMX): {cpu_has_int8_dot_product()}, weight qmax {weight_qmax('cpu')}. "
+        f"int8 dot-product instructions (VNNI/AMX): {cpu_has_int8_dot_product()}, "
+        f"weights {weight_bits('cpu')}-bit (qmax {weight_qmax('cpu')}), backend {backend_for('cpu')}. "
         f"Load average at the end: {load:.1f} (a shared 2-core machine: absolute times are noisy, ratios are "
         "interleaved medians of the same process).",
         "",
         "Columns: median ms per call; fp32/candidate speed ratio; relative L2 error vs float64 of the same layer "
-        "(random Gaussian inputs, weights N(0, 1/fan_in)). `int8` is what `int8_linear` / `int8_conv2d` run.",
+        "(random Gaussian inputs, weights N(0, 1/fan_in)). `int8` is what `int8_linear` / `int8_conv2d` run; "
+        "\"served by\" is the backend/path `record_calls` saw (path float: below the INT8 size cutoff).",
         "",
     ]
     lines += markdown("Linear (x [M, K] @ W [N, K]^T + b)", linear_rows)

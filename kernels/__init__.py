@@ -1,32 +1,68 @@
-"""Numerical core: INT8 tensors, quantize/dequantize, matmul and conv dispatch per device. No ComfyUI.
+"""Numerical core: INT8 tensors, quantize/dequantize, W8A8 Linear and Conv2d with one backend per device. No ComfyUI.
 
-Weights are symmetric int8 per output channel (plain tensors; `weight_qmax(device)` gives the largest safe
-magnitude), activations are quantized at run time: per token for Linear (per tensor, fbgemm's single fused op,
-after `set_linear_activation_granularity("tensor")`), per tensor (affine uint8) for Conv2d,
-or per output-pixel patch on the CPU for tiny feature maps. `int8_linear` / `int8_conv2d` go through the
-`torch.ops.int8_accel.linear` / `.conv2d` custom ops (fake kernels registered: torch.compile traces them).
-Derived forms of a weight (prepacked, transposed) are cached per tensor and freed with it; after rewriting a
-weight tensor in place under inference mode call `release_packed_weight(tensor)`.
+Weights are symmetric int8 per output channel (plain tensors). `weight_bits(device)` / `weight_qmax(device)`
+give the widest weights the device's kernels take without saturating: 8 bits (127) on CUDA and on CPUs with
+VNNI/AMX, 7 bits (63) on other CPUs. Activations are quantized at run time: per token for Linear (per tensor
+after `set_linear_activation_granularity("tensor")`), per tensor (affine uint8) for Conv2d.
+
+`int8_linear` / `int8_conv2d` go through the `torch.ops.int8_accel.linear` / `.conv2d` custom ops (fake kernels
+registered: torch.compile traces them with fullgraph=True), which dispatch to one of `BACKENDS`:
+"reference" (plain PyTorch), "cpu" (oneDNN), "cuda" (`torch._int_mm` + torch ops), "triton" (Triton kernels +
+`torch._int_mm`). `backend_for(device)` says which one serves a device, `force_backend(name)` overrides it in
+the current thread, `record_calls()` counts which backend and path ("int8" or "float") served each call.
+
+Derived forms of a weight (prepacked, transposed) are cached per tensor and freed with it; in-place rewrites are
+detected with `weight_stamp`. `release_packed_weight(tensor)` drops them explicitly.
+
+Environment switches (read where noted):
+- `INT8_ACCEL_WEIGHT_BITS=7` (read at every `weight_bits`/`weight_qmax` call): 7-bit weights on every device,
+  e.g. to exercise on a VNNI machine the numerics of a CPU without VNNI. Any other value than 7 is an error.
+- `INT8_ACCEL_LINEAR_ACTIVATIONS=tensor|token` (at import): the initial Linear activation granularity.
+- `INT8_ACCEL_LINEAR_MIN_MACS`, `INT8_ACCEL_CONV_MIN_MACS`, `INT8_ACCEL_IM2COL_MAX_ROWS` (at import): the cpu
+  backend's size thresholds for the float path and for the im2col GEMM conv.
+- `INT8_ACCEL_COMPILE_QUANTIZER=0` (at import): the cpu backend's activation quantizers never use torch.compile.
 """
 
+import torch
+
+from .compiled import CompiledOrEager
 from .ops import (
+    BACKENDS,
+    BackendUnavailableError,
+    backend_for,
     force_backend,
     int8_conv2d,
     int8_linear,
-    linear_activation_granularity,
-    set_linear_activation_granularity,
+    record_calls,
 )
-from .quant import compute_density, dequantize_weight, normalized_mse, quantize_weight_per_channel, weight_qmax
+from .quant import (
+    compute_density,
+    conv_output_shape,
+    dequantize_weight,
+    linear_activation_granularity,
+    normalized_mse,
+    quantize_weight_per_channel,
+    set_linear_activation_granularity,
+    weight_bits,
+    weight_qmax,
+)
 from .weight_cache import CACHE as _CACHE
+from .weight_cache import content_checksum, weight_stamp
 
 
-def release_packed_weight(q_weight) -> None:
+def release_packed_weight(q_weight: torch.Tensor) -> None:
     """Drop the cached prepacked/derived forms of `q_weight` (they are rebuilt on the next call)."""
     _CACHE.forget(q_weight)
 
 
 __all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "CompiledOrEager",
+    "backend_for",
     "compute_density",
+    "content_checksum",
+    "conv_output_shape",
     "dequantize_weight",
     "force_backend",
     "int8_conv2d",
@@ -34,7 +70,10 @@ __all__ = [
     "linear_activation_granularity",
     "normalized_mse",
     "quantize_weight_per_channel",
+    "record_calls",
     "release_packed_weight",
     "set_linear_activation_granularity",
+    "weight_bits",
     "weight_qmax",
+    "weight_stamp",
 ]

@@ -1,120 +1,140 @@
-"""Public INT8 ops: `torch.ops.int8_accel.linear` / `.conv2d`, their fake (meta) kernels, and backend dispatch.
+"""Public INT8 ops: `torch.ops.int8_accel.linear` / `.conv2d`, their fake kernels, and backend dispatch.
 
 Registered through `torch.library` so torch.compile/dynamo traces a model containing them without graph breaks.
-This package can be imported twice in one process (as `kernels` and as `<pack>.kernels`): the ops are
-registered once, and the forced backend lives in one shared state object so both copies see it.
+
+Backends (`BACKENDS`, one module each, in one table): every backend module has `available() -> str | None`
+(None when usable, else why not), `linear(x, q_weight, w_scale, bias)` and
+`conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)`; both return `(output, path)`, the path
+being "int8" when the backend ran the W8A8 arithmetic and "float" when it ran the call in float with the
+dequantized weight. Automatic choice per device: CUDA -> triton, else cuda; CPU -> cpu, else reference;
+anything else -> reference. `force_backend` overrides it in the current thread; `record_calls` counts which
+backend and path served each call made in the current thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import types
+import threading
+from collections import Counter
 from collections.abc import Iterator, Sequence
+from types import ModuleType
 
 import torch
 
-from . import reference
+from . import cpu, cuda, reference, triton_backend
+from .quant import conv_output_shape, pair
 
-BACKENDS = ("auto", "cuda", "cuda-torch", "cpu", "reference")
-
-_STATE_MODULE = "_int8_accel_backend_state"
-_state = sys.modules.setdefault(_STATE_MODULE, types.ModuleType(_STATE_MODULE))
-if not hasattr(_state, "backend"):
-    _state.backend = "auto"
-if not hasattr(_state, "linear_granularity"):
-    _state.linear_granularity = os.environ.get("INT8_ACCEL_LINEAR_ACTIVATIONS", "token")
-LINEAR_GRANULARITIES = ("token", "tensor")
+_TABLE: dict[str, ModuleType] = {"reference": reference, "cpu": cpu, "cuda": cuda, "triton": triton_backend}
+BACKENDS: tuple[str, ...] = tuple(_TABLE)
+AUTO = "auto"
 
 
-def current_backend() -> str:
-    return _state.backend
+class BackendUnavailableError(RuntimeError):
+    """A backend was forced that cannot run here; the message names the reason."""
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.forced = AUTO
+        self.recorders: list[Counter] = []
+
+
+_local = _ThreadState()
+
+
+def backend_unavailable_reason(name: str) -> str | None:
+    """None when backend `name` can run here, else the reason it cannot."""
+    if name not in _TABLE:
+        raise ValueError(f"unknown backend {name!r}; expected one of {(AUTO, *BACKENDS)}")
+    return _TABLE[name].available()
 
 
 @contextlib.contextmanager
 def force_backend(name: str) -> Iterator[None]:
-    """Run the INT8 ops through one backend (for tests): auto, cuda, cuda-torch, cpu or reference.
+    """Run the INT8 ops of the current thread through one backend: "auto", or one of `BACKENDS`.
 
-    "cuda" and "cuda-torch" also run on CPU tensors (torch._int_mm is exact there; Triton needs
-    TRITON_INTERPRET=1 set before triton is imported).
+    "cuda" also runs on CPU tensors (torch._int_mm is exact there), and so does "triton" under the Triton
+    interpreter. Raises `BackendUnavailableError` (naming the reason) if that backend cannot run here.
     """
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
-    previous = _state.backend
-    _state.backend = name
+    if name != AUTO:
+        reason = backend_unavailable_reason(name)
+        if reason is not None:
+            raise BackendUnavailableError(f"INT8 backend {name!r} is unavailable: {reason}")
+    previous = _local.forced
+    _local.forced = name
     try:
         yield
     finally:
-        _state.backend = previous
+        _local.forced = previous
 
 
-def linear_activation_granularity() -> str:
-    return _state.linear_granularity
-
-
-def set_linear_activation_granularity(name: str) -> None:
-    """How Linear activations are quantized on the CPU and in the reference: "token" (default: one scale per
-    row, outlier-robust) or "tensor" (one affine scale per call: fbgemm's single fused op, fewer passes).
-    The CUDA path always quantizes per token. Also settable with INT8_ACCEL_LINEAR_ACTIVATIONS."""
-    if name not in LINEAR_GRANULARITIES:
-        raise ValueError(f"unknown granularity {name!r}; expected one of {LINEAR_GRANULARITIES}")
-    _state.linear_granularity = name
-
-
-def _resolve(device: torch.device) -> str:
-    backend = _state.backend
-    if backend != "auto":
-        return backend
-    if device.type == "cuda":
-        return "cuda"
-    if device.type == "cpu":
-        return "cpu"
+def backend_for(device: torch.device | str) -> str:
+    """The backend an INT8 op on `device` would run on now, in this thread (a forced backend wins)."""
+    if _local.forced != AUTO:
+        return _local.forced
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        return "triton" if triton_backend.available() is None else "cuda"
+    if device_type == "cpu":
+        return "cpu" if cpu.available() is None else "reference"
     return "reference"
 
 
+@contextlib.contextmanager
+def record_calls() -> Iterator[Counter]:
+    """Count the INT8 op calls made in this thread while inside, keyed by (op, backend, path).
+
+    op is "linear" or "conv2d"; path is "int8" when the W8A8 arithmetic ran, "float" when the backend ran the
+    call in float with the dequantized weight (the cpu backend does for shapes too small to pay) or there was
+    nothing to compute (an empty input). Nested recorders each count every call made inside them.
+    """
+    counter: Counter = Counter()
+    _local.recorders.append(counter)
+    try:
+        yield counter
+    finally:
+        _local.recorders.remove(counter)
+
+
+def _record(op: str, backend: str, path: str) -> None:
+    for counter in _local.recorders:
+        counter[(op, backend, path)] += 1
+
+
 def _linear_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    backend = _resolve(x.device)
+    backend = backend_for(x.device)
     if x.numel() == 0:
-        return x.new_zeros(*x.shape[:-1], q_weight.shape[0])
-    if backend == "cpu":
-        from . import cpu_native
-
-        return cpu_native.linear(x, q_weight, w_scale, bias, per_token=_state.linear_granularity == "token")
-    if backend in ("cuda", "cuda-torch"):
-        from . import cuda_path
-
-        return cuda_path.linear(x, q_weight, w_scale, bias, use_triton=backend == "cuda")
-    return reference.linear_reference(x, q_weight, w_scale, bias, per_token=_state.linear_granularity == "token")
+        y, path = x.new_zeros(*x.shape[:-1], q_weight.shape[0]), "float"
+    else:
+        y, path = _TABLE[backend].linear(x, q_weight, w_scale, bias)
+    _record("linear", backend, path)
+    return y
 
 
-def _conv2d_impl(x, q_weight, w_scale, bias, stride, padding, dilation, groups) -> torch.Tensor:
-    backend = _resolve(x.device)
+def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                 stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
+    backend = backend_for(x.device)
     stride, padding, dilation = list(stride), list(padding), list(dilation)
     if x.numel() == 0:
-        return x.new_zeros(_conv_output_shape(x, q_weight, stride, padding, dilation))
-    if backend == "cpu":
-        from . import cpu_native
-
-        return cpu_native.conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
-    if backend in ("cuda", "cuda-torch"):
-        from . import cuda_path
-
-        return cuda_path.conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups, use_triton=backend == "cuda")
-    return reference.conv2d_reference(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
+        y, path = x.new_zeros(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)), "float"
+    else:
+        y, path = _TABLE[backend].conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
+    _record("conv2d", backend, path)
+    return y
 
 
-def conv_output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
-    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+def _registered() -> bool:
+    try:
+        return hasattr(torch.ops.int8_accel, "linear")
+    except (AttributeError, RuntimeError):
+        return False
 
 
-def _conv_output_shape(x, q_weight, stride, padding, dilation) -> tuple:
-    h_out = conv_output_size(x.shape[2], q_weight.shape[2], stride[0], padding[0], dilation[0])
-    w_out = conv_output_size(x.shape[3], q_weight.shape[3], stride[1], padding[1], dilation[1])
-    return x.shape[0], q_weight.shape[0], h_out, w_out
-
-
-if hasattr(torch.ops, "int8_accel") and hasattr(torch.ops.int8_accel, "linear"):
+# Registered once per process. pytest imports the repository root a second time, as a package named after its
+# directory (when it collects tests/), and torch.library would let that copy's registration replace this one
+# silently, after which the ops would dispatch on the other copy's thread-local state; so a later copy reuses
+# the ops registered first.
+if _registered():
     _linear_op = torch.ops.int8_accel.linear
     _conv2d_op = torch.ops.int8_accel.conv2d
 else:
@@ -128,28 +148,20 @@ else:
         return x.new_empty(*x.shape[:-1], q_weight.shape[0])
 
     @torch.library.custom_op("int8_accel::conv2d", mutates_args=())
-    def _conv2d_op(
-        x: torch.Tensor,
-        q_weight: torch.Tensor,
-        w_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        stride: list[int],
-        padding: list[int],
-        dilation: list[int],
-        groups: int,
-    ) -> torch.Tensor:
+    def _conv2d_op(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
         return _conv2d_impl(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
 
     @_conv2d_op.register_fake
     def _(x, q_weight, w_scale, bias, stride, padding, dilation, groups):
-        return x.new_empty(_conv_output_shape(x, q_weight, stride, padding, dilation))
+        return x.new_empty(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation))
 
 
 def int8_linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """W8A8 Linear: x [..., K] float, q_weight int8 [N, K], w_scale float32 [N] -> [..., N] in x.dtype.
 
-    Activations are quantized per token at run time, products accumulate in int32, then rows and columns
-    are rescaled and the bias is added in float.
+    Activations are quantized at run time (per token unless `set_linear_activation_granularity("tensor")`),
+    products accumulate in int32, then rows and columns are rescaled and the bias is added in float.
     """
     return _linear_op(x, q_weight, w_scale, bias)
 
@@ -159,19 +171,13 @@ def int8_conv2d(
     q_weight: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
-    stride: Sequence[int] = (1, 1),
-    padding: Sequence[int] = (0, 0),
-    dilation: Sequence[int] = (1, 1),
+    stride: int | Sequence[int] = (1, 1),
+    padding: int | Sequence[int] = (0, 0),
+    dilation: int | Sequence[int] = (1, 1),
     groups: int = 1,
 ) -> torch.Tensor:
     """W8A8 Conv2d (zero padding): NCHW x float, q_weight int8 [Cout, Cin/g, kh, kw] -> NCHW in x.dtype.
 
     Activations are quantized per tensor (uint8 with a zero point) at run time, int32 accumulation.
     """
-    return _conv2d_op(x, q_weight, w_scale, bias, _pair(stride), _pair(padding), _pair(dilation), int(groups))
-
-
-def _pair(value) -> list[int]:
-    if isinstance(value, int):
-        return [value, value]
-    return [int(v) for v in value]
+    return _conv2d_op(x, q_weight, w_scale, bias, pair(stride), pair(padding), pair(dilation), int(groups))

@@ -1,4 +1,5 @@
-"""Quantize/dequantize primitives, the activation quantization schemes, and the error/density metrics.
+"""Quantize/dequantize primitives, the weight width per device, the activation quantization schemes and their
+Linear granularity setting, the conv output shape, and the error/density metrics.
 
 Schemes shared by every backend (so their outputs agree):
 - weights: symmetric int8 per output channel, `scale = amax_row / qmax`, values in [-qmax, qmax];
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -35,19 +37,30 @@ def cpu_has_int8_dot_product() -> bool:
     return torch.backends.cpu.get_cpu_capability().upper().startswith("AMX")
 
 
-def weight_qmax(device: torch.device | str) -> int:
-    """Largest weight magnitude that cannot saturate the INT8 kernels used on `device`.
+WEIGHT_BITS_ENV = "INT8_ACCEL_WEIGHT_BITS"
 
-    127 on CUDA and on CPUs with VNNI/AMX; 63 elsewhere on x86, where u8 x s8 pairwise sums clip at +-32767
-    unless |w| <= 63 (255 * 63 * 2 < 32767). `INT8_ACCEL_WEIGHT_QMAX` overrides it (for experiments).
+
+def weight_bits(device: torch.device | str) -> int:
+    """Weight width the INT8 kernels on `device` can use without saturating: 8, or 7 ([-63, 63]).
+
+    8 on CUDA and on CPUs with VNNI/AMX; 7 elsewhere on the CPU, where u8 x s8 pairwise sums clip at +-32767
+    unless |w| <= 63 (255 * 63 * 2 < 32767). `INT8_ACCEL_WEIGHT_BITS=7` (read at every call) forces 7 bits on
+    any device, so a VNNI machine can exercise the numerics of one without.
     """
-    override = os.environ.get("INT8_ACCEL_WEIGHT_QMAX")
-    if override:
-        return int(override)
+    forced = os.environ.get(WEIGHT_BITS_ENV, "").strip()
+    if forced == "7":
+        return 7
+    if forced:
+        raise ValueError(f"{WEIGHT_BITS_ENV}={forced!r} is not supported: set it to 7 or leave it unset")
     device = torch.device(device)
-    if device.type == "cpu":
-        return 127 if cpu_has_int8_dot_product() else 63
-    return 127
+    if device.type == "cpu" and not cpu_has_int8_dot_product():
+        return 7
+    return 8
+
+
+def weight_qmax(device: torch.device | str) -> int:
+    """Largest weight magnitude for `device` (see `weight_bits`): 127 for 8-bit weights, 63 for 7-bit ones."""
+    return 127 if weight_bits(device) == 8 else 63
 
 
 def _per_row_view(scale: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -72,17 +85,23 @@ def dequantize_weight(q_weight: torch.Tensor, w_scale: torch.Tensor, dtype: torc
     return (q_weight.to(torch.float32) * _per_row_view(w_scale.to(torch.float32), q_weight.ndim)).to(dtype)
 
 
-def quantize_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token activation quantization: float [M, K] -> (int8 [M, K] in [-127, 127], float32 scale [M]).
+def round_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token activation quantization before the integer cast: float [M, K] -> (float32 integers in
+    [-127, 127], float32 scale [M, 1]).
 
     Written as `floor(x * (127 / amax) + 0.5)` so the Triton kernel can reproduce it bit for bit.
     """
     x = x2d.to(torch.float32)
-    amax = x.abs().amax(dim=1)
+    amax = x.abs().amax(dim=1, keepdim=True)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     inv_scale = torch.full_like(safe, ACT_QMAX) / safe  # a true division (`127 / t` is 127 * reciprocal(t))
-    q = torch.floor(x * inv_scale[:, None] + 0.5).clamp_(-ACT_QMAX, ACT_QMAX).to(torch.int8)
-    return q, safe / ACT_QMAX
+    return torch.floor(x * inv_scale + 0.5).clamp_(-ACT_QMAX, ACT_QMAX), safe / ACT_QMAX
+
+
+def quantize_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token activation quantization: float [M, K] -> (int8 [M, K] in [-127, 127], float32 scale [M])."""
+    q, scale = round_rows_symmetric(x2d)
+    return q.to(torch.int8), scale[:, 0]
 
 
 def affine_qparams(x: torch.Tensor) -> tuple[float, int]:
@@ -106,6 +125,48 @@ def as_contiguous(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if y.dtype == dtype and y.is_contiguous():
         return y
     return torch.empty(y.shape, dtype=dtype, device=y.device).copy_(y)
+
+
+LINEAR_GRANULARITIES = ("token", "tensor")
+_linear_granularity = os.environ.get("INT8_ACCEL_LINEAR_ACTIVATIONS", "token")
+
+
+def linear_activation_granularity() -> str:
+    """How the cpu and reference backends quantize Linear activations: "token" or "tensor"."""
+    return _linear_granularity
+
+
+def set_linear_activation_granularity(name: str) -> None:
+    """Process-wide: "token" (default: one scale per row, outlier-robust) or "tensor" (one affine scale per
+    call: fbgemm's single fused op on the CPU, fewer passes). The cuda and triton backends always quantize per
+    token. Also settable with INT8_ACCEL_LINEAR_ACTIVATIONS."""
+    global _linear_granularity
+    if name not in LINEAR_GRANULARITIES:
+        raise ValueError(f"unknown granularity {name!r}; expected one of {LINEAR_GRANULARITIES}")
+    _linear_granularity = name
+
+
+def pair(value: int | Sequence[int]) -> list[int]:
+    """An int or a 2-sequence as a list of two ints (the conv arguments' convention)."""
+    if isinstance(value, int):
+        return [value, value]
+    return [int(v) for v in value]
+
+
+def conv_output_shape(
+    x_shape: Sequence[int],
+    weight_shape: Sequence[int],
+    stride: int | Sequence[int],
+    padding: int | Sequence[int],
+    dilation: int | Sequence[int],
+) -> tuple[int, int, int, int]:
+    """(batch, out channels, height, width) of a zero-padded Conv2d of NCHW `x_shape` with `weight_shape`."""
+    stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
+    sizes = [
+        (x_shape[2 + i] + 2 * padding[i] - dilation[i] * (weight_shape[2 + i] - 1) - 1) // stride[i] + 1
+        for i in range(2)
+    ]
+    return int(x_shape[0]), int(weight_shape[0]), sizes[0], sizes[1]
 
 
 def normalized_mse(y_test: torch.Tensor, y_ref: torch.Tensor) -> float:

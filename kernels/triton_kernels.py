@@ -1,14 +1,16 @@
-"""Triton kernels for the CUDA path: per-token activation quantizer, rescale epilogue, INT8 implicit-GEMM conv.
+"""Triton kernels of the `triton` backend: per-token activation quantizer, rescale epilogue, INT8 implicit-GEMM conv.
 
-Guarded: AVAILABLE is False when triton is not importable, and callers then use the plain-PyTorch fallback.
-With TRITON_INTERPRET=1 in the environment *before this module is imported* the kernels run on CPU tensors
-(that is how the tests check them: no GPU here). INTERPRETED records which mode the kernels were built in.
+Guarded: AVAILABLE is False when triton is not importable (the package still imports; the backend then reports
+itself unavailable). With TRITON_INTERPRET=1 in the environment *before triton is first imported* the kernels
+run on CPU tensors (that is how the tests check them without a GPU). INTERPRETED records which mode the kernels
+were built in.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .quant import conv_output_shape
 from .weight_cache import CACHE
 
 try:
@@ -139,14 +141,15 @@ def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
     return out
 
 
-def conv2d_int8(x_q, x_zero_point, x_scale, q_weight, w_scale, bias, stride, padding, dilation, groups) -> torch.Tensor:
+def conv2d_int8(x_q: torch.Tensor, x_zero_point: int, x_scale: float, q_weight: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, stride: list[int], padding: list[int], dilation: list[int],
+                groups: int) -> torch.Tensor:  # fmt: skip
     """Implicit-GEMM INT8 conv on signed int8 NCHW activations with a zero point; fp32 NCHW output."""
     _require()
     x_q = x_q.contiguous()
     b, c_in, h, w = x_q.shape
     c_out, c_in_g, kh, kw = q_weight.shape
-    h_out = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    w_out = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    _, _, h_out, w_out = conv_output_shape(x_q.shape, q_weight.shape, stride, padding, dilation)
     k = c_in_g * kh * kw
 
     def build():

@@ -2,9 +2,8 @@
 
 Keyed by the tensor's identity and dropped when the tensor dies, so the weights themselves stay plain int8
 tensors. In-place rewrites must be noticed too: ComfyUI restores and hook-patches weights with
-`param.data.copy_(...)`, which bumps no version counter (nor do inference tensors have one). So besides the
-version counter and data pointer, the stamp holds a content checksum (the sum of the bytes read as int64
-words: one pass at memory speed, ~0.3 ms for a 13 MB weight, ~1% of an SD1.5 step). `forget(tensor)` drops
+`param.data.copy_(...)`, which bumps no version counter (nor do inference tensors have one), so each entry is
+checked against `weight_stamp`, which includes a checksum of the whole content. `forget(tensor)` drops
 entries explicitly. Only CPU tensors are cached: on CUDA the derived forms are cheap to rebuild and a
 checksum would cost a device sync per call.
 """
@@ -19,11 +18,18 @@ from typing import Any
 import torch
 
 
-def _checksum(tensor: torch.Tensor) -> int:
+def content_checksum(tensor: torch.Tensor) -> int:
+    """Sum of the tensor's bytes read as int64 words (wrapping): one pass at memory speed over all of it.
+
+    Changing any single value changes it; being a sum, it misses rewrites that only permute whole 8-byte words
+    (or whose changes cancel out exactly).
+    """
     flat = tensor.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     raw = flat.view(torch.uint8)
+    if raw.storage_offset() % 8:  # int64 words must start on an 8-byte boundary of the storage
+        raw = raw.clone()
     words = raw.numel() // 8
     total = int(raw[: words * 8].view(torch.int64).sum()) if words else 0
     if raw.numel() % 8:
@@ -31,12 +37,14 @@ def _checksum(tensor: torch.Tensor) -> int:
     return total
 
 
-def _stamp(tensor: torch.Tensor) -> tuple:
-    try:
-        version = tensor._version
-    except RuntimeError:  # inference tensor
-        version = -1
-    return (version, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device, _checksum(tensor))
+def weight_stamp(tensor: torch.Tensor) -> tuple:
+    """Hashable change detector: (version or -1 for inference tensors, data_ptr, shape, dtype, device, checksum).
+
+    Equal stamps mean the same storage holds the same bytes; an in-place `.data.copy_()` changes the checksum
+    even where no version counter moves.
+    """
+    version = -1 if tensor.is_inference() else tensor._version
+    return (version, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device, content_checksum(tensor))
 
 
 class WeightCache:
@@ -51,7 +59,7 @@ class WeightCache:
         key = (id(weight), tag)
         if not isinstance(deps, tuple):
             deps = (deps,)
-        stamp = (_stamp(weight), tuple(None if d is None else (id(d), _stamp(d)) for d in deps))
+        stamp = (weight_stamp(weight), tuple(None if d is None else (id(d), weight_stamp(d)) for d in deps))
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == stamp:
             return entry[2]
@@ -69,10 +77,6 @@ class WeightCache:
         with self._lock:
             for key in [k for k in self._entries if k[0] == id(weight)]:
                 del self._entries[key]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -1,7 +1,8 @@
-"""The CUDA path (torch._int_mm + Triton kernels) forced on CPU tensors, under the Triton interpreter.
+"""The `triton` backend forced on CPU tensors under the Triton interpreter, against the `cuda` backend
+(same int32 accumulation, so bit-exact) and the reference.
 
 TRITON_INTERPRET=1 must be in the environment before triton is first imported (triton.language's own helpers
-are built then) and while kernels run. It is set here at collection time; if something imported triton
+are built then) and while kernels run. conftest sets it at collection time; if something imported triton
 earlier in this process, the module re-runs itself in a fresh subprocess and reports that result.
 """
 
@@ -14,18 +15,26 @@ import sys
 import textwrap
 from pathlib import Path
 
-if "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
 
-from kernels import force_backend, int8_conv2d, int8_linear, normalized_mse, quant, quantize_weight_per_channel  # noqa: E402
-from kernels import triton_kernels as _triton_kernels  # noqa: E402
+from comfyui_int8_accel.kernels import (  # noqa: E402
+    BackendUnavailableError,
+    backend_for,
+    force_backend,
+    int8_conv2d,
+    int8_linear,
+    normalized_mse,
+    quant,
+    quantize_weight_per_channel,
+    record_calls,
+)
+from comfyui_int8_accel.kernels import triton_kernels as _triton_kernels  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+QMAX = {8: 127, 7: 63}
 
 
 def _interpreter_ready() -> bool:
@@ -52,12 +61,23 @@ def tk():
     return module
 
 
-def weights(shape, seed=0, qmax=127):
+def weights(shape, bits: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(*shape, generator=g)
     fan_in = w[0].numel()
-    q, s = quantize_weight_per_channel(w / fan_in**0.5, qmax)
+    q, s = quantize_weight_per_channel(w / fan_in**0.5, QMAX[bits])
     return q, s, torch.randn(shape[0], generator=g)
+
+
+def by_backend(fn, *args) -> dict:
+    """fn(*args) through the triton, cuda and reference backends, each checked to have run it in INT8."""
+    op = "linear" if fn is int8_linear else "conv2d"
+    outs = {}
+    for backend in ("triton", "cuda", "reference"):
+        with force_backend(backend), record_calls() as calls:
+            outs[backend] = fn(*args)
+        assert calls == {(op, backend, "int8"): 1}
+    return outs
 
 
 def test_row_quantizer_is_bit_exact(tk):
@@ -73,73 +93,85 @@ def test_row_quantizer_is_bit_exact(tk):
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
 
 
+@pytest.mark.parametrize("bits", [7, 8])
 @pytest.mark.parametrize(
     "x_shape,n,bias,dtype",
     [((256, 320), 320, True, torch.float32), ((2, 77, 64), 128, False, torch.float32), ((5, 64), 64, True, torch.float32),
      ((40, 100), 36, True, torch.float16)],
 )  # fmt: skip
-def test_linear_cuda_path_equals_torch_fallback(tk, x_shape, n, bias, dtype):
-    q, s, b = weights((n, x_shape[-1]))
+def test_linear_triton_equals_cuda_backend(tk, x_shape, n, bias, dtype, bits):
+    q, s, b = weights((n, x_shape[-1]), bits)
     b = b.to(dtype) if bias else None
     x = torch.randn(*x_shape).to(dtype)
-    with force_backend("cuda"):
-        y = int8_linear(x, q, s, b)
-    with force_backend("cuda-torch"):
-        y_torch = int8_linear(x, q, s, b)
-    with force_backend("reference"):
-        y_ref = int8_linear(x, q, s, b)
+    outs = by_backend(int8_linear, x, q, s, b)
+    y = outs["triton"]
     assert y.dtype == dtype and y.shape == (*x_shape[:-1], n)
-    assert torch.equal(y, y_torch)  # same int32 accumulation, same epilogue
-    assert normalized_mse(y, y_ref) < (1e-12 if dtype == torch.float32 else 1e-6)
+    assert torch.equal(y, outs["cuda"])  # same int32 accumulation, same epilogue
+    assert normalized_mse(y, outs["reference"]) < (1e-12 if dtype == torch.float32 else 1e-6)
 
 
+@pytest.mark.parametrize("bits", [7, 8])
 @pytest.mark.parametrize(
     "x_shape,cout,kernel,stride,padding,dilation,groups,bias",
     [((1, 64, 16, 16), 64, 3, 1, 1, 1, 1, True), ((2, 32, 15, 13), 48, 3, 2, 1, 1, 1, False),
      ((1, 64, 12, 12), 128, 1, 1, 0, 1, 1, True), ((1, 32, 10, 10), 32, 3, 1, 2, 2, 2, True)],
 )  # fmt: skip
-def test_conv_cuda_path_equals_torch_fallback(tk, x_shape, cout, kernel, stride, padding, dilation, groups, bias):
-    q, s, b = weights((cout, x_shape[1] // groups, kernel, kernel))
+def test_conv_triton_equals_cuda_backend(tk, x_shape, cout, kernel, stride, padding, dilation, groups, bias, bits):
+    q, s, b = weights((cout, x_shape[1] // groups, kernel, kernel), bits)
     b = b if bias else None
     x = torch.randn(*x_shape).relu() - 0.2  # asymmetric range: a non-trivial zero point
-    args = (stride, padding, dilation, groups)
-    with force_backend("cuda"):
-        y = int8_conv2d(x, q, s, b, *args)
-    with force_backend("cuda-torch"):
-        y_torch = int8_conv2d(x, q, s, b, *args)
-    with force_backend("reference"):
-        y_ref = int8_conv2d(x, q, s, b, *args)
-    assert y.shape == y_ref.shape and y.is_contiguous()
-    assert torch.equal(y, y_torch)  # exact int32 accumulation incl. zero-point correction at the borders
-    assert normalized_mse(y, y_ref) < 1e-12
+    outs = by_backend(int8_conv2d, x, q, s, b, stride, padding, dilation, groups)
+    y = outs["triton"]
+    assert y.shape == outs["reference"].shape and y.is_contiguous()
+    assert torch.equal(y, outs["cuda"])  # exact int32 accumulation incl. zero-point correction at the borders
+    assert normalized_mse(y, outs["reference"]) < 1e-12
 
 
-def test_cuda_backend_falls_back_without_triton(tk, monkeypatch):
-    q, s, b = weights((64, 96))
-    x = torch.randn(30, 96)
-    with force_backend("cuda"):
-        y_triton = int8_linear(x, q, s, b)
+def test_cuda_tensors_go_to_triton_or_to_cuda_without_it(tk, monkeypatch):
+    assert backend_for("cuda") == "triton"
     monkeypatch.setattr(tk, "AVAILABLE", False)
-    with force_backend("cuda"):
-        y_fallback = int8_linear(x, q, s, b)
-    assert torch.equal(y_triton, y_fallback)
+    assert backend_for("cuda") == "cuda"
+    with pytest.raises(BackendUnavailableError, match="triton is not importable"):
+        with force_backend("triton"):
+            pass
 
 
 def test_package_imports_and_runs_without_triton():
+    """Loaded the way ComfyUI loads the pack, with triton unimportable and no ComfyUI on the path."""
     script = textwrap.dedent(
-        """
-        import sys
+        f"""
+        import importlib.util, sys
+        from pathlib import Path
         sys.modules["triton"] = None  # "import triton" now raises ImportError
+        root = Path({str(REPO_ROOT)!r})
+        spec = importlib.util.spec_from_file_location(
+            "int8_pack_without_triton", root / "__init__.py", submodule_search_locations=[str(root)]
+        )
+        pack = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = pack
+        spec.loader.exec_module(pack)
         import torch
-        from kernels import force_backend, int8_linear, quantize_weight_per_channel
-        from kernels import triton_kernels
+        from int8_pack_without_triton.kernels import (
+            BackendUnavailableError, backend_for, force_backend, int8_linear, quantize_weight_per_channel,
+            record_calls,
+        )
+        from int8_pack_without_triton.kernels import triton_kernels
         assert not triton_kernels.AVAILABLE
+        assert "comfy" not in sys.modules  # the kernels do not import ComfyUI
+        assert backend_for("cuda") == "cuda", backend_for("cuda")
+        try:
+            with force_backend("triton"):
+                raise SystemExit("forced an unavailable backend")
+        except BackendUnavailableError as exc:
+            assert "triton is not importable" in str(exc), exc
         q, s = quantize_weight_per_channel(torch.randn(32, 64), 127)
-        with force_backend("cuda"):
+        with force_backend("cuda"), record_calls() as calls:
             y = int8_linear(torch.randn(20, 64), q, s, None)
+        assert dict(calls) == {{("linear", "cuda", "int8"): 1}}, calls
         print("ok", tuple(y.shape))
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", script], cwd="/", env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ok (20, 32)" in result.stdout

@@ -1,8 +1,8 @@
-"""The CUDA path: `torch._int_mm` for Linear, an implicit-GEMM conv, Triton kernels when importable.
+"""The `cuda` backend: `torch._int_mm` for Linear and an im2col conv over it, everything else plain torch ops.
 
-Everything here also runs on CPU tensors (for tests): `torch._int_mm` is exact on the CPU, and the Triton
-kernels run under TRITON_INTERPRET=1. `use_triton=False` is the plain-PyTorch fallback used when Triton is
-missing: same quantization formulas, so both give identical int32 accumulations.
+Meant for CUDA tensors when Triton is missing, and it runs on CPU tensors too (`torch._int_mm` is exact there),
+which is how the tests check it. Its quantization formulas are the reference's, so its int32 accumulations
+are exact and its results equal the `triton` backend's bit for bit. The helpers here are shared with it.
 """
 
 from __future__ import annotations
@@ -10,23 +10,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import affine_qparams, quantize_affine_uint8, quantize_rows_symmetric
+from .quant import affine_qparams, conv_output_shape, quantize_affine_uint8, quantize_rows_symmetric
 from .weight_cache import CACHE
 
 INT_MM_MIN_M = 17  # torch._int_mm needs M > 16 and K, N multiples of 8
 
 
-def triton_available() -> bool:
-    from . import triton_kernels
-
-    return triton_kernels.AVAILABLE
+def available() -> str | None:
+    if not hasattr(torch, "_int_mm"):
+        return "this PyTorch has no torch._int_mm"
+    return None
 
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _prepared_linear_weight(q_weight: torch.Tensor) -> torch.Tensor:
+def prepared_linear_weight(q_weight: torch.Tensor) -> torch.Tensor:
     """int8 [K_pad, N_pad], contiguous: the second operand of torch._int_mm (transposed layouts can be wrong)."""
 
     def build() -> torch.Tensor:
@@ -34,7 +34,7 @@ def _prepared_linear_weight(q_weight: torch.Tensor) -> torch.Tensor:
         w = F.pad(q_weight, (0, _round_up(k, 8) - k, 0, _round_up(n, 8) - n))
         return w.t().contiguous()
 
-    return CACHE.get(q_weight, None, "cuda-int-mm", build)
+    return CACHE.get(q_weight, None, "int-mm-linear", build)
 
 
 def int_mm_padded(a: torch.Tensor, b_prepared: torch.Tensor, n: int) -> torch.Tensor:
@@ -48,27 +48,27 @@ def int_mm_padded(a: torch.Tensor, b_prepared: torch.Tensor, n: int) -> torch.Te
     return acc[:m, :n]
 
 
-def quantize_rows(x2d: torch.Tensor, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton and triton_available():
-        from . import triton_kernels
+def quantize_conv_input(x: torch.Tensor) -> tuple[torch.Tensor, int, float]:
+    """Per-tensor affine quantization in signed storage: (int8 q - 128, zero point - 128, scale).
 
-        return triton_kernels.quantize_rows(x2d)
-    return quantize_rows_symmetric(x2d)
+    The int8 GEMMs take signed operands; the zero point is removed afterwards in int32 through the weight
+    column sums, exactly.
+    """
+    scale, zero_point = affine_qparams(x)
+    xq = (quantize_affine_uint8(x, scale, zero_point).to(torch.int16) - 128).to(torch.int8)
+    return xq, zero_point - 128, scale
 
 
-def linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, use_triton: bool) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, str]:
     n = q_weight.shape[0]
-    x2d = x.reshape(-1, x.shape[-1])
-    q, row_scale = quantize_rows(x2d, use_triton)
-    acc = int_mm_padded(q, _prepared_linear_weight(q_weight), n)
-    if use_triton and triton_available():
-        from . import triton_kernels
-
-        return triton_kernels.rescale(acc, row_scale, w_scale, bias, x.dtype).reshape(*x.shape[:-1], n)
+    q, row_scale = quantize_rows_symmetric(x.reshape(-1, x.shape[-1]))
+    acc = int_mm_padded(q, prepared_linear_weight(q_weight), n)
     y = acc.to(torch.float32) * row_scale[:, None] * w_scale.to(torch.float32)[None, :]
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.reshape(*x.shape[:-1], n).to(x.dtype)
+    return y.reshape(*x.shape[:-1], n).to(x.dtype), "int8"
 
 
 def _prepared_conv_weight(q_weight: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,15 +86,15 @@ def _prepared_conv_weight(q_weight: torch.Tensor, groups: int) -> tuple[torch.Te
         col_sums = q_weight.reshape(cout, -1).to(torch.int32).sum(dim=1)
         return torch.stack(mats), col_sums
 
-    return CACHE.get(q_weight, None, f"cuda-conv-g{groups}", build)
+    return CACHE.get(q_weight, None, f"int-mm-conv-g{groups}", build)
 
 
-def _im2col_int8(xq: torch.Tensor, kh: int, kw: int, stride, padding, dilation, pad_value: int) -> tuple[torch.Tensor, int, int]:
+def _im2col_int8(xq: torch.Tensor, kernel: tuple[int, int], out_hw: tuple[int, int], stride, padding, dilation,
+                 pad_value: int) -> torch.Tensor:  # fmt: skip
     """int8 NCHW -> [B*Ho*Wo, C*kh*kw] columns (ordered c, i, j), padding with the value that encodes zero."""
-    b, c, h, w = xq.shape
+    b, c = xq.shape[:2]
+    (kh, kw), (h_out, w_out) = kernel, out_hw
     padded = F.pad(xq, (padding[1], padding[1], padding[0], padding[0]), value=pad_value)
-    h_out = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    w_out = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     taps = []
     for i in range(kh):
         for j in range(kw):
@@ -103,31 +103,22 @@ def _im2col_int8(xq: torch.Tensor, kh: int, kw: int, stride, padding, dilation, 
                 padded[:, :, top : top + stride[0] * (h_out - 1) + 1 : stride[0], left : left + stride[1] * (w_out - 1) + 1 : stride[1]]
             )
     cols = torch.stack(taps, dim=2)  # [B, C, kh*kw, Ho, Wo]
-    cols = cols.permute(0, 3, 4, 1, 2).reshape(b * h_out * w_out, c * kh * kw)
-    return cols, h_out, w_out
+    return cols.permute(0, 3, 4, 1, 2).reshape(b * h_out * w_out, c * kh * kw)
 
 
-def conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups, use_triton: bool) -> torch.Tensor:
-    scale, zero_point = affine_qparams(x)
-    # Signed storage for the int8 GEMM: q - 128 with zero point zp - 128; the zero point is removed in int32
-    # through the weight column sums, exactly.
-    xq = (quantize_affine_uint8(x, scale, zero_point).to(torch.int16) - 128).to(torch.int8)
-    zp_signed = zero_point - 128
-    if use_triton and triton_available():
-        from . import triton_kernels
-
-        return triton_kernels.conv2d_int8(xq, zp_signed, scale, q_weight, w_scale, bias, stride, padding, dilation, groups).to(x.dtype)
-
+def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
+    xq, zp_signed, scale = quantize_conv_input(x)
     cout, cin_g, kh, kw = q_weight.shape
+    b, _, h_out, w_out = conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)
     per_group = cout // groups
     mats, col_sums = _prepared_conv_weight(q_weight, groups)
-    b = x.shape[0]
     accs = []
     for g in range(groups):
-        cols, h_out, w_out = _im2col_int8(xq[:, g * cin_g : (g + 1) * cin_g], kh, kw, stride, padding, dilation, zp_signed)
+        cols = _im2col_int8(xq[:, g * cin_g : (g + 1) * cin_g], (kh, kw), (h_out, w_out), stride, padding, dilation, zp_signed)
         accs.append(int_mm_padded(cols, mats[g], per_group))
     acc = torch.cat(accs, dim=1) - zp_signed * col_sums[None, :]
     y = acc.to(torch.float32) * (scale * w_scale.to(torch.float32))[None, :]
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.reshape(b, h_out, w_out, cout).permute(0, 3, 1, 2).contiguous().to(x.dtype)
+    return y.reshape(b, h_out, w_out, cout).permute(0, 3, 1, 2).contiguous().to(x.dtype), "int8"

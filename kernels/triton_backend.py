@@ -1,0 +1,48 @@
+"""The `triton` backend: Triton kernels for the activation quantizer, the rescale epilogue and the INT8 conv,
+`torch._int_mm` for the Linear GEMM.
+
+Its quantization formulas are the reference's, written so the kernels reproduce them bit for bit: its results
+equal the `cuda` backend's exactly. Without a GPU it runs only under TRITON_INTERPRET=1 (set before triton is
+first imported), on CPU tensors. triton itself is imported on first use, not with the package.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from .cuda import int_mm_padded, prepared_linear_weight, quantize_conv_input
+
+
+def _kernels() -> ModuleType:
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def available() -> str | None:
+    triton_kernels = _kernels()
+    if not triton_kernels.AVAILABLE:
+        return "triton is not importable"
+    if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
+        return "Triton needs a CUDA GPU (or TRITON_INTERPRET=1 set before triton is first imported)"
+    return None
+
+
+def linear(
+    x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, str]:
+    triton_kernels = _kernels()
+    n = q_weight.shape[0]
+    q, row_scale = triton_kernels.quantize_rows(x.reshape(-1, x.shape[-1]))
+    acc = int_mm_padded(q, prepared_linear_weight(q_weight), n)
+    y = triton_kernels.rescale(acc, row_scale, w_scale, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], n), "int8"
+
+
+def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
+    xq, zp_signed, scale = quantize_conv_input(x)
+    y = _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, w_scale, bias, stride, padding, dilation, groups)
+    return y.to(x.dtype), "int8"
