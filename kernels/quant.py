@@ -41,19 +41,21 @@ WEIGHT_BITS_ENV = "INT8_ACCEL_WEIGHT_BITS"
 
 
 def weight_bits(device: torch.device | str) -> int:
-    """Weight width the INT8 kernels on `device` can use without saturating: 8, or 7 ([-63, 63]).
+    """Weight width the INT8 kernels serving `device` can use without saturating: 8, or 7 ([-63, 63]).
 
-    8 on CUDA and on CPUs with VNNI/AMX; 7 elsewhere on the CPU, where u8 x s8 pairwise sums clip at +-32767
-    unless |w| <= 63 (255 * 63 * 2 < 32767). `INT8_ACCEL_WEIGHT_BITS=7` (read at every call) forces 7 bits on
-    any device, so a VNNI machine can exercise the numerics of one without.
+    7 where the cpu backend serves a CPU without VNNI/AMX: there u8 x s8 pairwise sums clip at +-32767 unless
+    |w| <= 63 (255 * 63 * 2 < 32767). 8 everywhere else: CUDA, VNNI/AMX CPUs, and the reference backend (exact
+    on any CPU, e.g. under `force_backend("reference")`). `INT8_ACCEL_WEIGHT_BITS=7` (read at every call)
+    forces 7 bits on any device, so a VNNI machine can exercise the numerics of one without.
     """
+    from .ops import backend_for
+
     forced = os.environ.get(WEIGHT_BITS_ENV, "").strip()
     if forced == "7":
         return 7
     if forced:
         raise ValueError(f"{WEIGHT_BITS_ENV}={forced!r} is not supported: set it to 7 or leave it unset")
-    device = torch.device(device)
-    if device.type == "cpu" and not cpu_has_int8_dot_product():
+    if backend_for(device) == "cpu" and not cpu_has_int8_dot_product():
         return 7
     return 8
 

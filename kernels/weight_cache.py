@@ -18,11 +18,12 @@ from typing import Any
 import torch
 
 
-def content_checksum(tensor: torch.Tensor) -> int:
+def content_checksum(tensor: torch.Tensor, sample_words: int | None = None) -> int:
     """Sum of the tensor's bytes read as int64 words (wrapping): one pass at memory speed over all of it.
 
     Changing any single value changes it; being a sum, it misses rewrites that only permute whole 8-byte words
-    (or whose changes cancel out exactly).
+    (or whose changes cancel out exactly). With `sample_words` only that many evenly strided words are summed:
+    a per-call check for writes that rewrite a whole tensor (ComfyUI's weight patching and restores).
     """
     flat = tensor.detach().reshape(-1)
     if not flat.is_contiguous():
@@ -31,20 +32,24 @@ def content_checksum(tensor: torch.Tensor) -> int:
     if raw.storage_offset() % 8:  # int64 words must start on an 8-byte boundary of the storage
         raw = raw.clone()
     words = raw.numel() // 8
-    total = int(raw[: words * 8].view(torch.int64).sum()) if words else 0
+    word_view = raw[: words * 8].view(torch.int64)
+    if sample_words is not None and words > sample_words:
+        return int(word_view[:: words // sample_words].sum())
+    total = int(word_view.sum()) if words else 0
     if raw.numel() % 8:
         total += int(raw[words * 8 :].to(torch.int64).sum())
     return total
 
 
-def weight_stamp(tensor: torch.Tensor) -> tuple:
+def weight_stamp(tensor: torch.Tensor, sample_words: int | None = None) -> tuple:
     """Hashable change detector: (version or -1 for inference tensors, data_ptr, shape, dtype, device, checksum).
 
     Equal stamps mean the same storage holds the same bytes; an in-place `.data.copy_()` changes the checksum
-    even where no version counter moves.
+    even where no version counter moves. `sample_words` as in `content_checksum`.
     """
     version = -1 if tensor.is_inference() else tensor._version
-    return (version, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device, content_checksum(tensor))
+    return (version, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype, tensor.device,
+            content_checksum(tensor, sample_words))
 
 
 class WeightCache:

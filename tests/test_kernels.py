@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+
 from comfyui_int8_accel.kernels import (
     BACKENDS,
     BackendUnavailableError,
@@ -146,6 +147,10 @@ def test_weight_width_follows_the_int8_dot_product_instructions(monkeypatch):
     assert weight_bits("cuda") == 8 and weight_qmax("cuda") == 127
     assert weight_bits("cpu") == (8 if VNNI else 7)
     assert weight_qmax(torch.device("cpu")) == (127 if VNNI else 63)
+    # the width belongs to the kernels that will run: the exact backends take 8-bit weights on any CPU
+    for exact in ("reference", "cuda"):
+        with force_backend(exact):
+            assert weight_bits("cpu") == 8
 
 
 def test_weight_bits_switch_forces_7_bits_everywhere(monkeypatch):

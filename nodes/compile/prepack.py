@@ -11,7 +11,12 @@ from typing import Any
 
 import torch
 
+from ...kernels import weight_stamp
 from ..layers import patches_in_forward
+
+# Checked on every call: a strided sample catches ComfyUI's whole-tensor rewrites (LoRA patching, restores made
+# with `param.data.copy_()`, which bump no version counter) at a negligible cost.
+PER_CALL_SAMPLE_WORDS = 1024
 
 
 def prepackable(module: torch.nn.Module) -> bool:
@@ -36,20 +41,10 @@ class _Packed:
 _packed_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _fingerprint(weight: torch.Tensor) -> tuple:
-    """Cheap change detector for a weight. ComfyUI restores and hook-patches weights in place with
-    `param.data.copy_()`, which bumps no version counter (and inference tensors have none), so a
-    strided sample of the raw words is summed too: such writes rewrite the whole tensor."""
-    version = -1 if weight.is_inference() else weight._version
-    flat = weight.detach().reshape(-1).view(torch.int32)
-    step = max(1, flat.numel() // 2048)
-    return version, weight.data_ptr(), int(flat[::step].sum())
-
-
 def _packed_weight(module: torch.nn.Module, stamp: Any, pack: Callable[[], torch.Tensor]) -> torch.Tensor:
     entry = _packed_weights.get(module)
     weight = module.weight
-    fingerprint = (stamp, _fingerprint(weight))
+    fingerprint = (stamp, weight_stamp(weight, sample_words=PER_CALL_SAMPLE_WORDS))
     if entry is None or entry.weight_ref() is not weight or entry.stamp != fingerprint:
         with torch.no_grad():
             entry = _Packed(weakref.ref(weight), fingerprint, pack())

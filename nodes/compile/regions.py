@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ...kernels import CompiledOrEager
 from .settings import CompileSettings
 
 log = logging.getLogger("int8_accel.compile")
@@ -58,30 +58,13 @@ def geglu_gate(h: torch.Tensor) -> torch.Tensor:
     return x * F.gelu(gate)
 
 
-class CompiledRegion:
-    """One function compiled with the node's settings; falls back to eager for good if compiling fails."""
-
-    def __init__(self, name: str, fn: Callable, settings: CompileSettings, disabled_reason: str | None = None):
-        self.name = name
-        self.eager = fn
-        self.disabled_reason = disabled_reason
-        self.compiled = None
-        if disabled_reason is None:
-            self.compiled = torch.compile(fn, **settings.compile_kwargs())
+class CompiledRegion(CompiledOrEager):
+    """A function compiled with the node's settings (eager for good if compiling fails), named in the log."""
 
     def __call__(self, *args):
-        if self.compiled is None:
-            return self.eager(*args)
         _region_state.name = self.name
         try:
-            return self.compiled(*args)
-        except Exception as exc:  # noqa: BLE001 - a compiler failure must not fail the prompt
-            out = self.eager(*args)  # a genuine runtime error re-raises from here
-            self.compiled = None
-            self.disabled_reason = f"{type(exc).__name__}: {exc}"
-            log.warning("int8-accel compile: compiling %s failed, running it eagerly from now on (%s)",
-                        self.name, self.disabled_reason.splitlines()[0][:300])
-            return out
+            return super().__call__(*args)
         finally:
             _region_state.name = None
 
@@ -94,7 +77,8 @@ def compiled_regions(settings: CompileSettings, disabled_reason: str | None) -> 
     key = (settings, disabled_reason)
     if key not in _regions_by_settings:
         _regions_by_settings[key] = {
-            "group_norm_silu": CompiledRegion("group_norm_silu", group_norm_silu, settings, disabled_reason),
-            "geglu_gate": CompiledRegion("geglu_gate", geglu_gate, settings, disabled_reason),
+            name: CompiledRegion(fn, name=name, compile_kwargs=settings.compile_kwargs(),
+                                 disabled_reason=disabled_reason)
+            for name, fn in (("group_norm_silu", group_norm_silu), ("geglu_gate", geglu_gate))
         }
     return _regions_by_settings[key]

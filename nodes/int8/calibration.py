@@ -10,10 +10,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ...kernels import backend_for, content_checksum, weight_bits
 from .settings import QuantizeSettings
 
-CACHE_FORMAT_VERSION = 1
-_SAMPLES_PER_TENSOR = 64
+CACHE_FORMAT_VERSION = 2
+_SAMPLE_WORDS = 256
 
 
 @dataclass
@@ -45,6 +46,8 @@ class CalibrationResult:
     model_error: float | None = None
     int8_flop_fraction: float = 0.0
     seconds: float = 0.0
+    backend: str = ""
+    kernel_calls: dict[str, int] = field(default_factory=dict)  # INT8 op calls of the checking step, by path
     created: float = field(default_factory=time.time)
 
     @property
@@ -61,6 +64,7 @@ class CalibrationResult:
         layers = [LayerMeasurement(**row) for row in data["layers"]]
         return cls(key=data["key"], shape=data["shape"], layers=layers, model_error=data.get("model_error"),
                    int8_flop_fraction=data.get("int8_flop_fraction", 0.0), seconds=data.get("seconds", 0.0),
+                   backend=data.get("backend", ""), kernel_calls=data.get("kernel_calls", {}),
                    created=data.get("created", 0.0))
 
 
@@ -74,18 +78,16 @@ def decide(layer: LayerMeasurement, settings: QuantizeSettings) -> str:
     return "int8"
 
 
-def _sample_tensor(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().reshape(-1)
-    step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
-    picked = flat[::step][:_SAMPLES_PER_TENSOR].to("cpu", torch.float32)
-    return repr(tuple(tensor.shape)).encode() + picked.numpy().tobytes()
+def _tensor_digest(tensor: torch.Tensor) -> bytes:
+    checksum = content_checksum(tensor, sample_words=_SAMPLE_WORDS)
+    return repr((tuple(tensor.shape), str(tensor.dtype), checksum)).encode()
 
 
 def _digest_patch(hasher, obj, depth: int = 0) -> None:
     if depth > 6:
         return
     if isinstance(obj, torch.Tensor):
-        hasher.update(_sample_tensor(obj))
+        hasher.update(_tensor_digest(obj))
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             _digest_patch(hasher, item, depth + 1)
@@ -108,13 +110,16 @@ def model_fingerprint(patcher, weight_keys: list[str]) -> str:
         backup = patcher.backup.get(key)
         tensor = backup.weight if backup is not None else comfy.utils.get_attr(patcher.model, key)
         hasher.update(key.encode())
-        hasher.update(_sample_tensor(tensor))
+        hasher.update(_tensor_digest(tensor))
     for key in sorted(patcher.patches):
         hasher.update(key.encode())
         _digest_patch(hasher, patcher.patches[key])
     return hasher.hexdigest()[:32]
 
 
-def calibration_key(fingerprint: str, settings: QuantizeSettings, spatial_shape, dtype: torch.dtype) -> str:
-    text = json.dumps([CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(spatial_shape), str(dtype)])
+def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tensor) -> str:
+    """Key of a decision: the weights and patches, the settings, the latent's size and dtype, and what runs the
+    INT8 layers (device, backend, weight width): a decision measured on one is not reused on another."""
+    text = json.dumps([CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
+                       x.device.type, backend_for(x.device), weight_bits(x.device)])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

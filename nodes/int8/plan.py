@@ -23,7 +23,7 @@ import comfy.patcher_extension
 import comfy.utils
 import torch
 
-from ...kernels import compute_density, normalized_mse
+from ...kernels import backend_for, compute_density, normalized_mse, record_calls
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_report, load_result, save_result
 from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
@@ -118,7 +118,7 @@ class Int8Plan:
         base_model = executor.class_obj
         x = wrapper_arg(args, kwargs, 0, "x")
         fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
-        key = calibration_key(fingerprint, self.settings, x.shape[2:], x.dtype)
+        key = calibration_key(fingerprint, self.settings, x)
         result = self.results.get(key)
         if result is None:
             result = load_result(key)
@@ -224,8 +224,10 @@ class Int8Plan:
 
         replacements = self._int8_modules(base_model, result.chosen)
         counter = FlopCounterMode(display=False)
-        with swapped_modules(base_model.diffusion_model, replacements), counter:
+        with swapped_modules(base_model.diffusion_model, replacements), counter, record_calls() as calls:
             swapped_output = executor(*args, **kwargs)
+        result.backend = backend_for(args[0].device)
+        result.kernel_calls = {path: sum(n for (_, _, p), n in calls.items() if p == path) for path in ("int8", "float")}
         int8_flops = 2 * sum(layer.macs for layer in result.layers if layer.quantized)
         total = counter.get_total_flops() + int8_flops
         return swapped_output, normalized_mse(swapped_output, reference), (int8_flops / total if total else 0.0)
@@ -254,7 +256,8 @@ class Int8Plan:
         if save:
             save_result(result, fingerprint, self.settings, report)
             log.info("int8-accel:\n%s", report)
-            self._show_in_page(report.splitlines()[-1])
+            self._show_in_page("\n".join(line for line in report.splitlines()
+                                          if line.startswith(("summary:", "kernels:"))))
         else:
             log.info("int8-accel: calibration cache hit for latent %s: %d layers in INT8", result.shape,
                      len(result.chosen))

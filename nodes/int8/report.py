@@ -27,4 +27,9 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         f"INT8; weights of those layers {float_bytes / 2**20:.1f} MiB float -> {int8_bytes / 2**20:.1f} MiB INT8 "
         f"({(float_bytes - int8_bytes) / 2**20:.1f} MiB smaller; the float originals stay loaded so LoRA and "
         f"float layers keep working); whole-model output norm. MSE {model_error}")
+    if result.kernel_calls:
+        lines.append(
+            f"kernels: {result.backend} backend; in the checking step {result.kernel_calls.get('int8', 0)} INT8 "
+            f"layer calls ran the INT8 kernels and {result.kernel_calls.get('float', 0)} ran in float with the "
+            f"INT8-rounded weights (shapes too small for INT8 to pay on this device)")
     return "\n".join(lines)
