@@ -2,6 +2,13 @@
 
 Used by the server tests, the demo and the benchmarks. The server runs in its own process group and
 is told to die with its parent (PR_SET_PDEATHSIG), so a killed test run or demo never leaves one behind.
+
+Each server gets a private base directory (`--base-directory`, a temporary folder removed at stop) whose
+custom_nodes/ holds only a link to the checkout this file belongs to, and whose models/ links to the
+install's models/. So the server always runs the code of the repository the tests (or the demo) run from,
+even when several checkouts (git worktrees) share one ComfyUI install, and it never touches that install's
+own custom_nodes/ link. Images still go to the install's output/ (and inputs come from its input/); the
+user settings and temp folders are the server's own.
 """
 
 from __future__ import annotations
@@ -9,10 +16,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -50,8 +59,14 @@ class ComfyServer:
     """A ComfyUI `main.py --cpu` process with a small client for /prompt, /history and the websocket."""
 
     def __init__(self, root: Path | None = None, port: int | None = None, log_path: Path | None = None,
-                 extra_args: list[str] | None = None, env: dict | None = None) -> None:
+                 extra_args: list[str] | None = None, env: dict | None = None,
+                 pack_dir: Path | None = REPO_ROOT) -> None:
+        """`pack_dir`: the checkout the server loads as its only custom node pack (this repository by
+        default); None runs the install as it is, with whatever its own custom_nodes/ holds."""
         self.root = Path(root) if root else comfyui_root()
+        self.pack_dir = Path(pack_dir).resolve() if pack_dir is not None else None
+        self.base_dir: Path | None = None
+        self.pack_link: Path | None = None
         self.port = port or free_port()
         self.log_path = log_path or (REPO_ROOT / ".cache" / "logs" / f"comfyui-{self.port}.log")
         self.extra_args = extra_args or []
@@ -63,11 +78,27 @@ class ComfyServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def output_dir(self) -> Path:
+        return self.root / "output"
+
+    def _private_base(self) -> list[str]:
+        """A base directory of this server's own: custom_nodes/ with the pack only, models/ shared."""
+        from scripts.setup_links import link_into
+
+        self.base_dir = Path(tempfile.mkdtemp(prefix=f"comfyui-int8-accel-{self.port}-"))
+        self.pack_link = link_into(self.base_dir / "custom_nodes", self.pack_dir)
+        (self.base_dir / "models").symlink_to((self.root / "models").resolve(), target_is_directory=True)
+        return ["--base-directory", str(self.base_dir), "--output-directory", str(self.output_dir),
+                "--input-directory", str(self.root / "input"),
+                "--database-url", f"sqlite:///{self.base_dir / 'comfyui.db'}"]
+
     def start(self, timeout: float = 180.0) -> ComfyServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
+        base_args = self._private_base() if self.pack_dir is not None else []
         cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-               "--disable-auto-launch", *self.extra_args]
+               "--disable-auto-launch", *base_args, *self.extra_args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.process = subprocess.Popen(cmd, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         preexec_fn=_die_with_parent)
@@ -85,6 +116,14 @@ class ComfyServer:
         raise ComfyServerError(f"ComfyUI did not answer within {timeout} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
+        try:
+            self._stop_process()
+        finally:
+            if self.base_dir is not None:
+                shutil.rmtree(self.base_dir, ignore_errors=True)  # links are removed, never followed
+                self.base_dir = None
+
+    def _stop_process(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
         try:
@@ -196,6 +235,8 @@ class ComfyServer:
         paths = []
         for output in history_entry.get("outputs", {}).values():
             for image in output.get("images", []):
-                folder = self.root / image.get("type", "output")
+                kind = image.get("type", "output")
+                folder = {"output": self.output_dir, "input": self.root / "input"}.get(
+                    kind, (self.base_dir or self.root) / kind)
                 paths.append(folder / image.get("subfolder", "") / image["filename"])
         return paths

@@ -123,7 +123,7 @@ def run_prompt(server: ComfyServer, prompt: dict, label: str) -> tuple[float, fl
     target = OUTPUT_DIR / f"{label}.png"
     shutil.copyfile(image, target)
     latent = next(iter(result["history"]["outputs"]["8"]["latents"]))
-    latent_path = server.root / "output" / latent.get("subfolder", "") / latent["filename"]
+    latent_path = server.output_dir / latent.get("subfolder", "") / latent["filename"]
     return wall, printer.node_seconds.get("5", wall), target, latent_path
 
 

@@ -1,4 +1,8 @@
-"""A LoRA loaded with ComfyUI's own LoraLoaderModelOnly, before or after the whole stack, on a real server."""
+"""A LoRA loaded with ComfyUI's own LoraLoaderModelOnly, before or after the whole stack, on a real server.
+
+The stack's Quantize node uses the shipped SD1.5 workflows' settings at their size (density threshold 16 at
+256x256), so layers really run in INT8 (checked on the report) and the plain stack shares their calibration.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,15 @@ import pytest
 from PIL import Image
 
 from scripts.demo import txt2img_prompt
+from tests.support.workflows_common import int8_report, with_report_preview
 
 pytestmark = pytest.mark.server
 
 LORA_NAME = "int8accel_test_lora.safetensors"
 SIZE, STEPS, SEED = 256, 3, 11
+INT8 = ("Int8AccelQuantize", {"bits": 8, "quantize_conv": "enable", "quantize_linear": "enable",
+                              "conv_mse_threshold": 0.1, "linear_mse_threshold": 0.1,
+                              "compute_density_threshold": 16})
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +53,18 @@ def lora_name(comfy_root, sd15_checkpoint) -> str:
 
 
 def _prompt(ckpt: str, lora: str | None, *, where: str, strength: float = 1.0, accelerated: bool = True) -> dict:
-    nodes: list = ["int8", "deepcache", "compile"] if accelerated else []
+    nodes: list = [INT8, "deepcache", "compile"] if accelerated else []
     if lora is not None:
         loader = ("LoraLoaderModelOnly", {"lora_name": lora, "strength_model": strength})
         nodes = [loader] + nodes if where == "before" else nodes + [loader]
     return txt2img_prompt(ckpt, SIZE, STEPS, SEED, "lora_server_test", nodes)
 
 
-def _image(server, prompt: dict) -> np.ndarray:
-    result = server.run(prompt)
-    assert result["history"]["status"]["status_str"] == "success", result["history"]["status"]
-    return np.asarray(Image.open(server.output_images(result["history"])[0]).convert("RGB"), dtype=np.float64)
+def _image(server, prompt: dict, history: dict | None = None) -> np.ndarray:
+    if history is None:
+        history = server.run(prompt)["history"]
+    assert history["status"]["status_str"] == "success", history["status"]
+    return np.asarray(Image.open(server.output_images(history)[0]).convert("RGB"), dtype=np.float64)
 
 
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -68,7 +77,10 @@ def test_lora_before_or_after_the_full_stack_takes_effect(server, sd15_checkpoin
     eager_plain = _image(server, _prompt(sd15_checkpoint, None, where="before", accelerated=False))
     assert _psnr(eager_lora, eager_plain) < 30, "the test LoRA should visibly change the image"
 
-    stack_plain = _image(server, _prompt(sd15_checkpoint, None, where="after"))
+    plain = with_report_preview(_prompt(sd15_checkpoint, None, where="after"))
+    summary = int8_report(server, plain)
+    assert summary.int8 > 0, f"the stack runs no layer in INT8: {summary.text[-2000:]}"
+    stack_plain = _image(server, plain, summary.history)
     before = _image(server, _prompt(sd15_checkpoint, lora_name, where="before"))
     after = _image(server, _prompt(sd15_checkpoint, lora_name, where="after"))
     print({name: round(float(_psnr(a, b)), 1) for name, (a, b) in {

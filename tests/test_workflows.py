@@ -1,4 +1,6 @@
-"""The shipped workflows: both forms agree, every API prompt runs on the real server, the page lists them."""
+"""The shipped workflows: both forms agree, every API prompt runs on the real server with layers really in
+INT8 (its report, shown by Preview as Text, says how many) and an image that differs from the float run's,
+and the page lists them."""
 
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoint
     REPO_ROOT,
     VIRTUAL_NODE_TYPES,
     WORKFLOWS,
+    int8_report,
     load_api,
     load_ui,
     release_models_unless_sd15,
+    report_preview,
     strip_meta,
     ui_graph_to_api,
     widget_problems,
+    without_quantize,
     workflow_checkpoints,
     workflow_names,
 )
@@ -48,6 +53,37 @@ def test_each_ui_workflow_has_an_api_twin_a_note_and_the_page_format():
             assert link_id in by_id[src]["outputs"][src_slot]["links"]
             assert by_id[dst]["inputs"][dst_slot]["link"] == link_id
     assert PACK_NODES <= used, "every pack node appears in some shipped workflow"
+
+
+def test_every_quantize_node_shows_its_report_and_quantizes_at_the_workflow_size():
+    """A person sees the report in the page (Preview as Text on the report output, in both forms), and the
+    settings are ones under which layers reach INT8 at the workflow's size: the node's default density
+    threshold (300) admits almost no layer at CPU-sized images, so no shipped workflow may use it."""
+    for name in NAMES:
+        api, ui = load_api(name), load_ui(name)
+        quants = [k for k, v in api.items() if v["class_type"] == "Int8AccelQuantize"]
+        assert len(quants) == 1, name
+        preview = report_preview(api)
+        ui_links = {link[0]: link for link in ui["links"]}
+        ui_preview = next(n for n in ui["nodes"] if str(n["id"]) == preview)
+        assert ui_preview["type"] == "PreviewAny"
+        _, src, src_slot, _, _, link_type = ui_links[ui_preview["inputs"][0]["link"]]
+        assert (str(src), src_slot, link_type) == (quants[0], 1, "STRING"), name
+        settings = api[quants[0]]["inputs"]
+        assert settings["compute_density_threshold"] < 100, f"{name}: density threshold too high for a CPU size"
+        assert settings["conv_mse_threshold"] > 0 and settings["linear_mse_threshold"] > 0, name
+        note = next(n for n in ui["nodes"] if n["type"] == "Note")["widgets_values"][0]
+        assert f"compute_density_threshold {settings['compute_density_threshold']}" in note, (
+            f"{name}: the Note must say why these settings")
+        assert "layers in INT8" in note and "Preview as Text" in note, name
+
+
+@pytest.mark.server
+def test_server_runs_the_pack_of_this_checkout(server):
+    """The server loads this repository's code (its own custom_nodes/ links here), not whichever checkout
+    the shared ComfyUI install's custom_nodes/ link points at."""
+    assert server.pack_link is not None and server.pack_link.resolve() == REPO_ROOT.resolve()
+    assert str(server.pack_link) in server.log_path.read_text(errors="replace")  # "Import times for custom nodes"
 
 
 def test_api_workflows_name_checkpoints_the_model_factories_make():
@@ -111,7 +147,20 @@ def test_shipped_api_workflow_runs_to_an_image(server, name):
                 left = image.crop((0, 0, latent["width"], latent["height"])).tobytes()
                 right = image.crop((width - latent["width"], 0, width, latent["height"])).tobytes()
                 assert left != right, "the accelerated half equals the baseline: the pack nodes did nothing"
-    print(f"{name}: {seconds:.1f} s")
+
+    # INT8 really ran: the report the page shows counts layers in INT8 at this size (queued again when the
+    # first run only had 'calibration pending'), and the image differs from the same prompt without the node.
+    summary = int8_report(server, prompt, history)
+    print(f"{name}: {seconds:.1f} s; {summary}")
+    assert summary.int8 > 0, f"{name}: no layer in INT8 at this size:\n{summary.text[-3000:]}"
+    baseline = server.run(without_quantize(prompt), timeout=600)
+    assert baseline["history"]["status"]["status_str"] == "success", baseline["history"]["status"]
+    float_images = server.output_images(baseline["history"])
+    assert len(float_images) == len(images)
+    for int8_path, float_path in zip(sorted(images), sorted(float_images), strict=True):
+        with Image.open(int8_path) as a, Image.open(float_path) as b:
+            assert a.size == b.size
+            assert a.tobytes() != b.tobytes(), f"{name}: the image equals the float run's: INT8 changed nothing"
     release_models_unless_sd15(server, name)
 
 

@@ -1,9 +1,13 @@
-"""Shared by the workflow, browser and API-error tests: the shipped workflow files, the extra checkpoints
-they name, and an independent reading of a UI graph into an API prompt using the server's /object_info."""
+"""Shared by the workflow, browser, API-error and server tests: the shipped workflow files, the extra
+checkpoints they name, an independent reading of a UI graph into an API prompt using the server's
+/object_info, and the INT8 report as the page shows it (the Quantize node's report in Preview as Text)."""
 
 from __future__ import annotations
 
+import copy
 import json
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -134,3 +138,107 @@ def release_models_unless_sd15(server, name: str) -> None:
     if not name.startswith("sd15"):
         response = requests.post(f"{server.url}/free", json={"unload_models": True, "free_memory": True}, timeout=30)
         assert response.status_code == 200
+
+
+# --- the INT8 report, as Preview as Text shows it --------------------------------------------------------
+SUMMARY_RE = re.compile(r"summary: (\d+)/(\d+) layers in INT8 \(linear (\d+)/(\d+), conv (\d+)/(\d+)\)")
+LATENT_RE = re.compile(r"INT8 calibration on latent \[([\d, ]+)\]")
+PENDING = "INT8 calibration pending"
+
+
+@dataclass(frozen=True)
+class Int8Summary:
+    int8: int
+    total: int
+    linear: tuple[int, int]
+    conv: tuple[int, int]
+    latent: tuple[int, ...]
+    text: str
+    history: dict = field(default_factory=dict, compare=False, repr=False)  # the run that showed it
+
+    def __str__(self) -> str:
+        return (f"{self.int8}/{self.total} layers in INT8 (linear {self.linear[0]}/{self.linear[1]}, conv "
+                f"{self.conv[0]}/{self.conv[1]}) on latent {list(self.latent)}")
+
+
+def parse_int8_report(text: str) -> Int8Summary | None:
+    """The summary of a calibration report (the node's report output), or None when it has none."""
+    summary, latent = SUMMARY_RE.search(text), LATENT_RE.search(text)
+    if summary is None or latent is None:
+        return None
+    n = [int(g) for g in summary.groups()]
+    return Int8Summary(n[0], n[1], (n[2], n[3]), (n[4], n[5]),
+                       tuple(int(d) for d in latent.group(1).split(",")), text)
+
+
+def node_of(prompt: dict, class_type: str) -> str:
+    ids = [k for k, v in prompt.items() if v["class_type"] == class_type]
+    assert len(ids) == 1, f"expected one {class_type}, found {ids}"
+    return ids[0]
+
+
+def report_preview(prompt: dict) -> str:
+    """Id of the Preview as Text node showing the Quantize node's report (its output slot 1)."""
+    quant = node_of(prompt, "Int8AccelQuantize")
+    ids = [k for k, v in prompt.items() if v["class_type"] == "PreviewAny" and v["inputs"].get("source") == [quant, 1]]
+    assert len(ids) == 1, f"the Quantize node's report (node {quant}, slot 1) is not shown by one PreviewAny: {ids}"
+    return ids[0]
+
+
+def with_report_preview(prompt: dict, node_id: str = "90") -> dict:
+    """`prompt` plus a Preview as Text on the Quantize node's report (what the shipped workflows have)."""
+    prompt = copy.deepcopy(prompt)
+    prompt[node_id] = {"class_type": "PreviewAny", "inputs": {"source": [node_of(prompt, "Int8AccelQuantize"), 1]}}
+    return prompt
+
+
+def latent_hw(prompt: dict) -> tuple[int, int]:
+    """(height, width) of the latent the prompt samples (image size / 8)."""
+    latent = next(v["inputs"] for v in prompt.values() if v["class_type"] in ("EmptyLatentImage", "EmptySD3LatentImage"))
+    return latent["height"] // 8, latent["width"] // 8
+
+
+def int8_report(server, prompt: dict, history: dict | None = None, timeout: float = 600) -> Int8Summary:
+    """The INT8 summary the page shows for `prompt` (whose Quantize report feeds a Preview as Text).
+
+    `history` is a finished run of `prompt`, if there is one; otherwise it is queued. The node writes its
+    report before sampling, so the first run of new settings shows 'calibration pending'; calibration then
+    runs on the first step, and queueing the same prompt again re-runs the node (its IS_CHANGED moves once a
+    new report exists), which then shows the table and the summary. The report must be about the latent this
+    prompt samples (the report is kept per model and settings, whatever the size)."""
+    preview = report_preview(prompt)
+    texts = []
+    for _ in range(2):
+        if history is None:
+            result = server.run(prompt, timeout=timeout)
+            history = result["history"]
+            assert history.get("status", {}).get("status_str") == "success", (
+                f"{json.dumps(history.get('status'))[:3000]}\n{server.log_tail()}")
+        text = history["outputs"][preview]["text"][0]
+        texts.append(text)
+        summary = parse_int8_report(text)
+        if summary is not None:
+            assert summary.latent[-2:] == latent_hw(prompt), (
+                f"the report is about latent {list(summary.latent)}, the prompt samples {latent_hw(prompt)}")
+            return replace(summary, history=history)
+        assert text.startswith(PENDING), f"neither a report nor 'calibration pending': {text[:500]}"
+        history = None
+    raise AssertionError(f"still no INT8 summary after queueing the prompt again: {texts[-1][:500]}")
+
+
+def without_quantize(prompt: dict) -> dict:
+    """The float baseline of `prompt`: the Quantize node and its report preview removed, its consumers fed
+    the model it was given; saved images get a `_float` prefix. Same seed, sampler and everything else."""
+    prompt = copy.deepcopy(prompt)
+    quant = node_of(prompt, "Int8AccelQuantize")
+    source = prompt.pop(quant)["inputs"]["model"]
+    for node_id, node in list(prompt.items()):
+        if any(value == [quant, 1] for value in node["inputs"].values()):
+            del prompt[node_id]
+            continue
+        for name, value in node["inputs"].items():
+            if value == [quant, 0]:
+                node["inputs"][name] = list(source)
+        if node["class_type"] == "SaveImage":
+            node["inputs"]["filename_prefix"] += "_float"
+    return prompt
