@@ -51,7 +51,7 @@ def _broken(kind: str) -> tuple[dict, str]:
         return prompt, "value_smaller_than_min"
     if kind == "unknown_combo_value":
         inputs["quantize_conv"] = "sometimes"
-        return prompt, "value_not_in_list"
+        return prompt, "custom_validation_failed"
     if kind == "missing_input":
         del inputs["linear_mse_threshold"]
         return prompt, "required_input_missing"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..node_validation import combo_problem
 from . import DYNAMIC_CHOICES, MODE_CHOICES, CompileSettings, available_backends, compile_model
 
 
@@ -36,6 +37,10 @@ class Int8AccelCompile(io.ComfyNode):
             ],
             outputs=[io.Model.Output(display_name="model")],
         )
+
+    @classmethod
+    def validate_inputs(cls, backend: str, mode: str, dynamic: str) -> bool | str:
+        return combo_problem(cls, backend=backend, mode=mode, dynamic=dynamic) or True
 
     @classmethod
     def execute(cls, model, backend: str, mode: str, dynamic: str, fullgraph: bool) -> io.NodeOutput:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..node_validation import combo_problem
 from . import apply_int8
 from .cache import report_generation
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
@@ -61,8 +62,9 @@ class Int8AccelQuantize(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, bits: int) -> bool | str:
-        return QuantizeSettings(bits=int(bits)).bits_error() or True
+    def validate_inputs(cls, bits: int, quantize_conv: str, quantize_linear: str) -> bool | str:
+        return (QuantizeSettings(bits=int(bits)).bits_error()
+                or combo_problem(cls, quantize_conv=quantize_conv, quantize_linear=quantize_linear) or True)
 
     @classmethod
     def fingerprint_inputs(cls, **inputs) -> str:
