@@ -3,8 +3,8 @@
 Debian's chromium is used (scripts/setup_browser.sh installs it and Playwright for Python; no browser is
 ever downloaded). Screenshots go to test-artifacts/; UPDATE_DOCS_SCREENSHOT=1 also refreshes the README's
 docs/workflow-screenshot.png. The page loads each UI graph, must know every node type and keep every widget value,
-turns the graph into exactly the shipped API prompt, queues it itself, and the run ends with an image and the
-INT8 report shown in the page.
+turns the graph into exactly the shipped API prompt (plus the display-only text box of Preview as Text, which
+no node takes), queues it itself, and the run ends with an image and the INT8 report shown in the page.
 
 These tests never skip silently: when chromium or Playwright is missing and scripts/setup_browser.sh cannot
 install them, or chromium does not start, they fail. INT8_ACCEL_SKIP_BROWSER=1 is the one explicit opt-out
@@ -42,6 +42,9 @@ from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoint
 pytestmark = pytest.mark.browser
 NAMES = workflow_names()
 SKIP_ENV = "INT8_ACCEL_SKIP_BROWSER"
+# Inputs the page sends that are no input of the node (not in /object_info; the server ignores them): the
+# read-only text box the page adds to Preview as Text, sent with whatever it shows ('' on a fresh graph).
+DISPLAY_ONLY_INPUTS = {"PreviewAny": {"preview"}}
 PROGRESS_TEXT = 3  # ComfyUI's binary websocket event for a node's progress text (BinaryEventTypes.TEXT)
 SCREENSHOT_WORKFLOW = "sd15_compare_baseline_vs_accelerated"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -112,6 +115,19 @@ def page(chromium, server, request):
             context.close()
 
 
+def _node_inputs_only(prompt: dict, object_info: dict) -> dict:
+    """The page's prompt without display-only inputs; any other input the node does not take fails."""
+    out = {}
+    for node_id, node in strip_meta(prompt).items():
+        spec = object_info[node["class_type"]]["input"]
+        extra = set(node["inputs"]) - set(spec.get("required", {})) - set(spec.get("optional", {}))
+        assert extra <= DISPLAY_ONLY_INPUTS.get(node["class_type"], set()), (
+            f"node {node_id} ({node['class_type']}): the page sends inputs the node does not take: {extra}")
+        out[node_id] = {"class_type": node["class_type"],
+                        "inputs": {k: v for k, v in node["inputs"].items() if k not in extra}}
+    return out
+
+
 def _open_app(page, url: str) -> None:
     page.goto(url)
     page.wait_for_function("() => window.app && window.app.graph && window.LiteGraph && window.app.extensionManager",
@@ -176,7 +192,7 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, name)
                 assert widget["value"] in widget["values"], f"{name}: {node['type']}.{widget['name']} rejected"
             if isinstance(widget["value"], (int, float)) and widget["min"] is not None:
                 assert widget["min"] <= widget["value"] <= widget["max"], f"{name}: {node['type']}.{widget['name']}"
-    assert strip_meta(state["prompt"]) == strip_meta(load_api(name)), (
+    assert _node_inputs_only(state["prompt"], server.object_info()) == strip_meta(load_api(name)), (
         f"{name}: the page's prompt differs from workflows/api/{name}.json")
     assert not any(n["class_type"] in VIRTUAL_NODE_TYPES for n in state["prompt"].values())
 

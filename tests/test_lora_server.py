@@ -1,7 +1,7 @@
 """A LoRA loaded with ComfyUI's own LoraLoaderModelOnly, before or after the whole stack, on a real server.
 
 The stack's Quantize node uses the shipped SD1.5 workflows' settings at their size (density threshold 16 at
-256x256), so layers really run in INT8 (checked on the report) and the plain stack shares their calibration.
+128x128), so layers really run in INT8 (checked on the report) and the plain stack shares their calibration.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.support.workflows_common import int8_report, with_report_preview
 pytestmark = pytest.mark.server
 
 LORA_NAME = "int8accel_test_lora.safetensors"
-SIZE, STEPS, SEED = 256, 3, 11
+SIZE, STEPS, SEED = 128, 3, 11
 INT8 = ("Int8AccelQuantize", {"bits": 8, "quantize_conv": "enable", "quantize_linear": "enable",
                               "conv_mse_threshold": 0.1, "linear_mse_threshold": 0.1,
                               "compute_density_threshold": 16})

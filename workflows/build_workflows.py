@@ -3,7 +3,9 @@
 Each workflow is described once below; this script lays it out as the ComfyUI page's graph format
 (version 0.4, what "Save" writes and what a user drags in) and as the API prompt that POST /prompt takes.
 tests/test_workflows.py checks the two forms against each other with the server's own /object_info, and
-tests/test_browser.py checks that the page turns each graph into exactly the shipped API prompt.
+tests/test_browser.py checks that the page turns each graph into exactly the shipped API prompt (the page
+also sends the text shown by Preview as Text as a `preview` input, which is no input of that node and is
+left out here).
 
 Run after editing: .venv/bin/python workflows/build_workflows.py
 Thumbnails for the templates browser, from the browser test's screenshots:
@@ -173,29 +175,33 @@ def _text_to_image(wf: Workflow, ckpt: str, model_chain, width: int, height: int
 
 # The Quantize node's settings in every shipped workflow. The MSE thresholds are the node's defaults. The
 # node's default compute_density_threshold (300) comes from GPUs: at the small sizes these CPU examples use,
-# almost no layer reaches it (2 of SD1.5's 282 at 256x256), so nothing would run in INT8. 16 keeps in float
-# only the layers that see one vector per image (timestep embedding and the res blocks' embedding
-# projections, density ~2; the 4-channel output conv, ~4), where quantizing the activations costs as much as
-# the product; every layer that works on image or text tokens competes on its error (the smallest of those,
-# the deepest 4x4 level at 256x256, sits near 30). INT8_LAYERS is what the node reported with these
-# settings at each workflow's size on this project's random checkpoints (AVX2 CPU, 7-bit weights; all their
-# errors were near 1e-3, far under 0.1); tests/test_workflows.py checks that the count stays above zero.
+# no layer reaches it (none of SD1.5's 282 at 128x128, 2 at 256x256), so nothing would run in INT8.
+# 16 keeps in float the layers that see one vector per image (timestep embedding, the res blocks' and
+# adaLN's embedding projections: density ~2; SD1.5's 4-channel output conv: ~4), where quantizing the
+# activations costs as much as the product, and at 128x128 SD1.5's deepest level (2x2 tokens, ~8); the
+# layers working on image or text tokens compete on their error. SIZE is small because every test run of
+# these prompts samples on a CPU. INT8_LAYERS is what the node reported with these settings at SIZE on this
+# project's random checkpoints (AVX2 CPU, 7-bit weights; every error was near 1e-3, far under 0.1);
+# tests/test_workflows.py checks on the server that the count is above zero.
 DENSITY = 16
 QUANTIZE_SETTINGS = dict(bits=8, quantize_conv="enable", quantize_linear="enable", conv_mse_threshold=0.1,
                          linear_mse_threshold=0.1, compute_density_threshold=DENSITY)
-INT8_LAYERS = {"sd15": "257/282", "sdxl": "218/239", "sd3": "64/85"}  # at 256x256, density 16
-AT_300 = {"sd15": "2 of 282", "sdxl": "2 of 239", "sd3": "none of 85"}  # at 256x256, density 300
+SIZE = 128
+INT8_LAYERS = {"sd15": "229/282", "sdxl": "218/239", "sd3": "64/85"}  # at SIZE x SIZE, density 16
+AT_300 = {"sd15": "none of its 282 layers", "sdxl": "none of its 239 layers", "sd3": "none of its 85 layers"}
+ALSO_FLOAT = {"sd15": " and, at this size, the 2x2-token deepest level", "sdxl": "", "sd3": ""}
 
 
 def _settings_note(family: str, size: int) -> str:
     return (
         f"\n\nQuantize settings: error thresholds 0.1 (the defaults) and compute_density_threshold {DENSITY} "
         "instead of the default 300. Density is M*K*N / (M*K + K*N + M*N), M being the tokens of both CFG "
-        f"halves. The default is tuned for GPUs: at {size}x{size} only {AT_300[family]} of this model's layers "
-        f"reach it, so the model would stay in float. {DENSITY} keeps in float only the layers that see one "
-        "vector per image (timestep and embedding projections) and lets every layer working on image or text "
-        f"tokens compete on its error: measured {INT8_LAYERS[family]} layers in INT8 at {size}x{size} (CPU, "
-        "this random checkpoint). With real weights some layers fail the error test and stay in float.\n\n"
+        f"halves. The default is tuned for GPUs and large images: at {size}x{size} this model has "
+        f"{AT_300[family]} reaching it, so it would stay in float. {DENSITY} keeps in float the layers that see "
+        f"one vector per image (timestep and embedding projections){ALSO_FLOAT[family]}, and lets the layers "
+        f"working on image or text tokens compete on their error: measured {INT8_LAYERS[family]} layers in INT8 "
+        f"at {size}x{size} (CPU, this random checkpoint). With real weights some layers fail the error test and "
+        "stay in float; at larger sizes densities grow, so a higher threshold also works there.\n\n"
         "Preview as Text shows the node's report. The first run of new settings says the calibration is pending "
         "(it runs on the first sampling step; its summary line then appears on the Quantize node); queue again "
         "to see one row per layer and 'summary: N/M layers in INT8'.")
@@ -214,15 +220,15 @@ def sd15_int8() -> Workflow:
         "work is large enough (compute density) for an INT8 version; the rest stay in float. Its second "
         "output is a text report of what was quantized. LoRA loaded before or after it keeps working.\n\n"
         f"Checkpoint: {SD15} is the random-weight test model made by `python -m scripts.make_checkpoint`; "
-        "pick your own SD1.5 checkpoint. 256x256 and 4 steps keep it quick on a CPU: use 512x512 and 20+ steps "
-        "for real pictures." + _settings_note("sd15", 256)))
+        f"pick your own SD1.5 checkpoint. {SIZE}x{SIZE} and 4 steps keep it quick on a CPU: use 512x512 and 20+ "
+        "steps for real pictures." + _settings_note("sd15", SIZE)))
     made = {}
 
     def chain(loader: Node):
         made["quant"] = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_SETTINGS)
         return (made["quant"], 0)
 
-    _text_to_image(wf, SD15, chain, 256, 256, 4, 7.0, "int8accel/sd15_int8")
+    _text_to_image(wf, SD15, chain, SIZE, SIZE, 4, 7.0, "int8accel/sd15_int8")
     _report(wf, made["quant"], (380, 760))
     return wf
 
@@ -237,7 +243,7 @@ def sdxl_int8_deepcache() -> Workflow:
         f"Checkpoint: {SDXL} is a random-weight SDXL-family test model (Segmind Vega's layout: SDXL's "
         "text encoders, VAE and conditioning, fewer transformer blocks) made by `python -m "
         "scripts.make_more_checkpoints`; pick your own SDXL checkpoint and use 1024x1024 with 20+ steps."
-        + _settings_note("sdxl", 256)))
+        + _settings_note("sdxl", SIZE)))
     made = {}
 
     def chain(loader: Node):
@@ -246,7 +252,7 @@ def sdxl_int8_deepcache() -> Workflow:
                        cache_depth=1, start_percent=0.0, end_percent=1.0)
         return (cache, 0)
 
-    _text_to_image(wf, SDXL, chain, 256, 256, 4, 7.0, "int8accel/sdxl_int8_deepcache", x0=0)
+    _text_to_image(wf, SDXL, chain, SIZE, SIZE, 4, 7.0, "int8accel/sdxl_int8_deepcache", x0=0)
     _report(wf, made["quant"], (380, 760))
     return wf
 
@@ -260,7 +266,7 @@ def sd3_int8_blockcache() -> Workflow:
         "The checkpoint carries CLIP-L and CLIP-G and no T5, which SD3 allows. "
         f"{SD3} is the random-weight, reduced-depth test model made by `python -m scripts.make_more_checkpoints "
         "sd3`; pick your own SD3 checkpoint and use 1024x1024 with 28 steps for real pictures."
-        + _settings_note("sd3", 256)))
+        + _settings_note("sd3", SIZE)))
     made = {}
 
     def chain(loader: Node):
@@ -269,7 +275,7 @@ def sd3_int8_blockcache() -> Workflow:
                        cache_depth=1, start_percent=0.0, end_percent=1.0)
         return (cache, 0)
 
-    _text_to_image(wf, SD3, chain, 256, 256, 4, 4.5, "int8accel/sd3_int8_blockcache", sd3=True,
+    _text_to_image(wf, SD3, chain, SIZE, SIZE, 4, 4.5, "int8accel/sd3_int8_blockcache", sd3=True,
                    scheduler="simple")
     _report(wf, made["quant"], (380, 760))
     return wf
@@ -283,7 +289,7 @@ def sd15_full_stack_compile() -> Workflow:
         "patches still apply; the first run pays the compile (tens of seconds on a CPU, less on a GPU), later "
         "runs at the same size reuse it. Put Compile last: it compiles what the other nodes built.\n\n"
         f"Checkpoint: {SD15} is the random-weight test model; pick your own SD1.5 checkpoint."
-        + _settings_note("sd15", 256)))
+        + _settings_note("sd15", SIZE)))
     made = {}
 
     def chain(loader: Node):
@@ -294,7 +300,7 @@ def sd15_full_stack_compile() -> Workflow:
                           mode="default", dynamic="auto", fullgraph=False)
         return (compiled, 0)
 
-    _text_to_image(wf, SD15, chain, 256, 256, 4, 7.0, "int8accel/sd15_full_stack_compile")
+    _text_to_image(wf, SD15, chain, SIZE, SIZE, 4, 7.0, "int8accel/sd15_full_stack_compile")
     _report(wf, made["quant"], (380, 760))
     return wf
 
@@ -308,14 +314,14 @@ def sd15_compare() -> Workflow:
         "the two results side by side (baseline left, accelerated right) so you can judge the difference; "
         "the queue panel shows each run's time.\n\n"
         f"Checkpoint: {SD15} is the random-weight test model; pick your own SD1.5 checkpoint."
-        + _settings_note("sd15", 256)))
+        + _settings_note("sd15", SIZE)))
     loader = wf.add("CheckpointLoaderSimple", (0, 260), (315, 98), ckpt_name=SD15)
     quant = wf.add("Int8AccelQuantize", (0, 420), (315, 200), model=(loader, 0), **QUANTIZE_SETTINGS)
     cache = wf.add("Int8AccelDeepCache", (0, 660), (315, 130), model=(quant, 0), cache_interval=3, cache_depth=1,
                    start_percent=0.0, end_percent=1.0)
     pos = wf.add("CLIPTextEncode", (380, 260), (400, 160), "Positive prompt", text=POSITIVE, clip=(loader, 1))
     neg = wf.add("CLIPTextEncode", (380, 460), (400, 120), "Negative prompt", text=NEGATIVE, clip=(loader, 1))
-    latent = wf.add("EmptyLatentImage", (380, 620), (315, 106), width=256, height=256, batch_size=1)
+    latent = wf.add("EmptyLatentImage", (380, 620), (315, 106), width=SIZE, height=SIZE, batch_size=1)
     common = dict(seed=42, steps=4, cfg=7.0, sampler_name="euler", scheduler="normal", denoise=1.0,
                   positive=(pos, 0), negative=(neg, 0), latent_image=(latent, 0))
     base = wf.add("KSampler", (860, 40), (315, 262), "KSampler (baseline)", model=(loader, 0), **common)
