@@ -139,11 +139,39 @@ def test_thresholds_bite_per_layer(comfy_root, quant):
     for layer in layers:
         assert (layer.decision == "int8") == (layer.error <= middle), layer
     assert 0 < len([layer for layer in layers if layer.decision == "int8"]) < len(layers)
-    # Density gate: a threshold above every layer's density keeps all of them in float.
+    # Calibration keeps only the INT8 copies of layers that pass, and says what they cost.
+    plan = plan_of(out2)
+    chosen = plan.last_result.chosen
+    assert sorted(plan._modules) == sorted(chosen)
+    from comfyui_int8_accel.nodes.int8.plan import int8_module_bytes
+
+    sizes = {name: int8_module_bytes(plan._modules[name]) for name in chosen}
+    memory = plan.last_result.memory
+    assert memory["int8_bytes"] == sum(sizes.values()) > 0
+    largest_layer = max(layer.k * layer.n + 8 * layer.n for layer in layers)  # int8 weight + scale + bias
+    assert memory["int8_bytes"] <= memory["calibration_peak_int8_bytes"] <= memory["int8_bytes"] + largest_layer
+    assert memory["model_float_bytes"] == sum(p.numel() * p.element_size()
+                                              for p in model.model.diffusion_model.parameters())
+    assert "memory: diffusion-model weights" in plan.last_report
+    # Density gate: a threshold above every layer's density keeps all of them in float, unmeasured.
     out3, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0,
                        compute_density_threshold=1_000_000)
     sample(out3, "sd15", steps=2)
-    assert all(layer.decision == "float: density below threshold" for layer in plan_of(out3).last_result.layers)
+    assert all(layer.decision == "float: density below threshold" and layer.error is None
+               for layer in plan_of(out3).last_result.layers)
+    assert plan_of(out3)._modules == {}
+
+
+def test_unloading_the_model_drops_its_int8_modules(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    first = sample(out, "sd15", steps=2)
+    plan = plan_of(out)
+    assert plan._modules
+    out.detach()  # what ComfyUI does when it unloads or frees the model
+    assert plan._modules == {}
+    assert torch.equal(sample(out, "sd15", steps=2), first)  # rebuilt from the live weights on the next run
+    assert plan._modules
 
 
 def test_report_rows_and_summary(comfy_root, quant):

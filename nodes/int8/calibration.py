@@ -48,6 +48,7 @@ class CalibrationResult:
     seconds: float = 0.0
     backend: str = ""
     kernel_calls: dict[str, int] = field(default_factory=dict)  # INT8 op calls of the checking step, by path
+    memory: dict[str, int] = field(default_factory=dict)  # model_float_bytes, int8_bytes, calibration_peak_int8_bytes
     created: float = field(default_factory=time.time)
 
     @property
@@ -65,6 +66,7 @@ class CalibrationResult:
         return cls(key=data["key"], shape=data["shape"], layers=layers, model_error=data.get("model_error"),
                    int8_flop_fraction=data.get("int8_flop_fraction", 0.0), seconds=data.get("seconds", 0.0),
                    backend=data.get("backend", ""), kernel_calls=data.get("kernel_calls", {}),
+                   memory=data.get("memory", {}),
                    created=data.get("created", 0.0))
 
 

@@ -23,7 +23,7 @@ import comfy.patcher_extension
 import comfy.utils
 import torch
 
-from ...kernels import backend_for, compute_density, normalized_mse, record_calls
+from ...kernels import backend_for, compute_density, normalized_mse, record_calls, release_packed_weight
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_report, load_result, save_result
 from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
@@ -66,6 +66,15 @@ def swapped_modules(root: torch.nn.Module, replacements: dict[str, torch.nn.Modu
             parent._modules[leaf] = old
 
 
+def int8_module_bytes(module: torch.nn.Module) -> int:
+    """Bytes an INT8 layer holds: its int8 weight, scales and bias copy."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def parameter_bytes(root: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in root.parameters())
+
+
 class Int8Plan:
     """Per-node state shared by the clone and everything cloned from it."""
 
@@ -86,6 +95,13 @@ class Int8Plan:
     def attach(self, patcher) -> None:
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, self.outer_sample)
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY, self.apply_model)
+        patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, WRAPPER_KEY, self.on_detach)
+
+    def on_detach(self, patcher, unpatch_all: bool = True) -> None:
+        """ComfyUI unloaded the model: drop its INT8 modules too (rebuilt from the live weights when it runs)."""
+        for module in self._modules.values():
+            release_packed_weight(module.weight)
+        self._modules, self._modules_state = {}, None
 
     def fingerprint(self, patcher) -> str:
         state = (id(patcher.model), patcher.patches_uuid)
@@ -165,6 +181,7 @@ class Int8Plan:
         root = self._fresh_module_cache(base_model)
         candidates = find_candidates(root)
         measurements: dict[str, LayerMeasurement] = {}
+        memory = {"kept": 0, "peak": 0}
         progress = comfy.utils.ProgressBar(len(candidates))
         log.info("int8-accel: calibrating %d layers on the first step (latent %s)", len(candidates),
                  list(args[0].shape))
@@ -184,10 +201,16 @@ class Int8Plan:
                     m = output.shape[0] * output.shape[2] * output.shape[3]
                 row = LayerMeasurement(name=name, kind=kind, weight_shape=list(weight.shape), m=m, k=k, n=n,
                                        density=compute_density(m, k, n), error=None)
-                if self.settings.kind_enabled(kind):
-                    layer = self._modules.get(name) or self._quantize_layer(module, kind)
-                    self._modules[name] = layer
+                # One layer at a time: only a layer that passes the kind and density gates is quantized, and its
+                # INT8 copy is kept only if it passes the error gate too.
+                if self.settings.kind_enabled(kind) and row.density >= self.settings.compute_density_threshold:
+                    layer = self._modules.pop(name, None) or self._quantize_layer(module, kind)
+                    memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
                     row.error = normalized_mse(layer(x), output)
+                    if decide(row, self.settings) == "int8":
+                        self._modules[name] = layer
+                        memory["kept"] += int8_module_bytes(layer)
+                    del layer
                 measurements[name] = row
                 progress.update(1)
             return hook
@@ -211,6 +234,8 @@ class Int8Plan:
             output, result.model_error, result.int8_flop_fraction = self._measure_swapped(
                 executor, base_model, args, kwargs, output, result)
         result.seconds = time.perf_counter() - start
+        result.memory = {"model_float_bytes": parameter_bytes(root), "calibration_peak_int8_bytes": memory["peak"],
+                         "int8_bytes": sum(int8_module_bytes(module) for module in self._modules.values())}
         self.calibration_runs += 1
         self.results[key] = result
         self._publish(result, base_model, fingerprint, save=True)

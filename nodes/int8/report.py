@@ -27,6 +27,13 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         f"INT8; weights of those layers {float_bytes / 2**20:.1f} MiB float -> {int8_bytes / 2**20:.1f} MiB INT8 "
         f"({(float_bytes - int8_bytes) / 2**20:.1f} MiB smaller; the float originals stay loaded so LoRA and "
         f"float layers keep working); whole-model output norm. MSE {model_error}")
+    if result.memory:
+        mib = {name: value / 2**20 for name, value in result.memory.items()}
+        lines.append(
+            f"memory: diffusion-model weights {mib['model_float_bytes']:.1f} MiB in float; on-the-fly INT8 adds "
+            f"{mib['int8_bytes']:.1f} MiB of INT8 layers while the model is loaded (the float weights stay, for "
+            f"LoRA and the float layers; dropped when ComfyUI unloads the model); calibration held at most "
+            f"{mib['calibration_peak_int8_bytes']:.1f} MiB of INT8 copies (one layer at a time)")
     if result.kernel_calls:
         lines.append(
             f"kernels: {result.backend} backend; in the checking step {result.kernel_calls.get('int8', 0)} INT8 "
