@@ -8,6 +8,8 @@ were built in.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .quant import conv_output_shape
@@ -23,7 +25,16 @@ except ImportError:  # the package must import without triton
     tl = None
     AVAILABLE = False
 
-INTERPRETED = bool(AVAILABLE and triton.knobs.runtime.interpret)
+def _interpreted() -> bool:
+    if not AVAILABLE:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton releases before `triton.knobs`
+
+
+INTERPRETED = _interpreted()
 
 if AVAILABLE:
 

@@ -250,3 +250,27 @@ def test_other_architectures_match_eager_with_fused_attention(cm, kind):
     eager = sample(model, kind, steps=2, height=256, width=256)
     compiled = cm.compile_model(model, cm.CompileSettings())
     assert _rel(sample(compiled, kind, steps=2, height=256, width=256), eager) < RTOL
+
+
+def test_torch_compile_without_the_newer_keywords_still_compiles(cm, monkeypatch, caplog):
+    """Older PyTorch: torch.compile has no isolate_recompiles / recompile_limit; the node compiles without them."""
+    from comfyui_int8_accel.nodes.compile.regions import CompiledRegion
+
+    real_compile = torch.compile
+    calls = []
+
+    def older_compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                      disable=False):
+        calls.append(backend)
+        return real_compile(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
+                            options=options, disable=disable)
+
+    monkeypatch.setattr(torch, "compile", older_compile)
+    with caplog.at_level(logging.WARNING):
+        kwargs = cm.CompileSettings(backend="aot_eager", dynamic="false").compile_kwargs()
+    assert "isolate_recompiles" not in kwargs and "recompile_limit" not in kwargs
+    assert kwargs["backend"] == "aot_eager" and kwargs["dynamic"] is False
+    region = CompiledRegion(lambda x: torch.nn.functional.gelu(x) * 2, name="probe", compile_kwargs=kwargs)
+    x = torch.randn(4, 8)
+    assert torch.allclose(region(x), torch.nn.functional.gelu(x) * 2)
+    assert calls == ["aot_eager"] and region.compiled is not None and region.disabled_reason is None

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import logging
 from typing import Any
+
+import torch
+
+log = logging.getLogger("int8_accel.compile")
+# torch.compile keywords newer than the oldest PyTorch this pack supports: left out, with a warning, where the
+# installed torch.compile does not take them.
+NEWER_COMPILE_KEYWORDS = ("isolate_recompiles", "recompile_limit")
+_warned_missing: set[str] = set()
 
 MODE_CHOICES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 DYNAMIC_CHOICES = ["auto", "true", "false"]
@@ -30,4 +40,17 @@ class CompileSettings:
             kwargs["mode"] = self.mode
         if self.dynamic == "false":
             kwargs["recompile_limit"] = STATIC_RECOMPILE_LIMIT
-        return kwargs
+        return supported_compile_kwargs(kwargs)
+
+
+def supported_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` without the newer keywords the installed `torch.compile` does not accept (warned about once)."""
+    accepted = inspect.signature(torch.compile).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    missing = [name for name in NEWER_COMPILE_KEYWORDS if name in kwargs and name not in accepted and not takes_any]
+    for name in missing:
+        if name not in _warned_missing:
+            _warned_missing.add(name)
+            log.warning("int8-accel compile: this PyTorch's torch.compile has no %r argument; compiling without it "
+                        "(recompiles are then neither isolated per region nor limited per region)", name)
+    return {name: value for name, value in kwargs.items() if name not in missing}
