@@ -68,6 +68,11 @@ def force_backend(name: str) -> Iterator[None]:
         _local.forced = previous
 
 
+def forced_backend() -> str | None:
+    """The backend `force_backend` put in force in this thread, or None (automatic choice)."""
+    return None if _local.forced == AUTO else _local.forced
+
+
 def backend_for(device: torch.device | str) -> str:
     """The backend an INT8 op on `device` would run on now, in this thread (a forced backend wins)."""
     if _local.forced != AUTO:

@@ -67,8 +67,11 @@ def test_bits_other_than_8_get_a_clear_error(comfy_root, quant, pack):
         quantize(quant, model, bits=4)
     # at validation time, so an API prompt gets node_errors instead of an execution error
     node = pack.NODE_CLASS_MAPPINGS["Int8AccelQuantize"]
-    assert node.validate_inputs(bits=8) is True
-    assert "bits=5 is not supported: only bits=8" in node.validate_inputs(bits=5)
+    widgets = dict(quantize_conv="enable", quantize_linear="disable")
+    assert node.validate_inputs(bits=8, **widgets) is True
+    assert "bits=5 is not supported: only bits=8" in node.validate_inputs(bits=5, **widgets)
+    assert "quantize_conv='sometimes' is not one of" in node.validate_inputs(bits=8, quantize_conv="sometimes",
+                                                                          quantize_linear="enable")
 
 
 def test_threshold_zero_quantizes_nothing_and_output_is_bit_identical(comfy_root, quant):
@@ -267,6 +270,13 @@ def test_model_without_eligible_layers_is_returned_unchanged(comfy_root, quant):
     out, report = quantize(quant, model, quantize_conv="disable", quantize_linear="disable")
     assert out is model
     assert "Nothing to quantize" in report
+
+
+def test_device_without_a_fast_int8_kernel_is_declined_in_the_report(comfy_root, quant, monkeypatch):
+    model = build_tiny_model("sd15")
+    monkeypatch.setattr(model, "load_device", torch.device("mps"))  # only the (slow) reference path serves it
+    out, report = quantize(quant, model, compute_density_threshold=0)
+    assert out is model and "INT8 declined: no fast INT8 kernel for mps" in report
 
 
 def test_low_vram_partial_load_keeps_lora(comfy_root, quant, weight_width):

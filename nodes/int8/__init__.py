@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 
 import comfy.patcher_extension
+import torch
 
+from ...kernels import backend_for, forced_backend
 from .plan import WRAPPER_KEY, Int8Plan, find_candidates, unwrap_compiled
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
 
@@ -26,6 +28,12 @@ def apply_int8(model, settings: QuantizeSettings, node_id: str | None = None):
         name = type(getattr(model, "model", model)).__name__
         log.warning("int8-accel: %s has no diffusion model to quantize; passing it through unchanged", name)
         return model, f"Unsupported model type ({name}): it has no diffusion model, so it passes through unchanged."
+    device = torch.device(getattr(model, "load_device", None) or "cpu")
+    if backend_for(device) == "reference" and not forced_backend():
+        why = (f"INT8 declined: no fast INT8 kernel for {device.type} here (only the reference path, which is "
+               f"slower than float); the model is returned unchanged.")
+        log.warning("int8-accel: %s", why)
+        return model, why
     candidates = find_candidates(unwrap_compiled(diffusion_model))
     if not any(settings.kind_enabled(kind) for _, kind in candidates.values()):
         why = ("no Linear or Conv2d layer the INT8 path supports" if not candidates else
