@@ -128,17 +128,28 @@ def _float_weight(q_weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor
 # ---- ops --------------------------------------------------------------------------------------------
 
 
-def linear(
-    x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, str]:
+def linear_runs_in_float(x: torch.Tensor, q_weight: torch.Tensor) -> bool:
+    """True when `linear` computes this call in float with the dequantized weight (too small for INT8 to pay)."""
+    n, k = q_weight.shape
+    return (x.numel() // k) * k * n < LINEAR_MIN_MACS or k < MIN_REDUCTION
+
+
+def conv2d_runs_in_float(x: torch.Tensor, q_weight: torch.Tensor, stride, padding, dilation) -> bool:
+    """True when `conv2d` computes this call in float with the dequantized weight (too small for INT8 to pay)."""
+    cout, cin_g, kh, kw = q_weight.shape
+    batch, _, h_out, w_out = conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)
+    return batch * h_out * w_out * cin_g * kh * kw * cout < CONV_MIN_MACS or cin_g * kh * kw < MIN_REDUCTION
+
+
+def linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = q_weight.shape
     x2d = x.reshape(-1, k)
     bias32 = None if bias is None else bias.to(torch.float32)
-    if x2d.shape[0] * k * n < LINEAR_MIN_MACS or k < MIN_REDUCTION:
+    if linear_runs_in_float(x, q_weight):
         y = F.linear(x2d.float(), _float_weight(q_weight, w_scale), bias32)
-        return y.reshape(*x.shape[:-1], n).to(x.dtype), "float"
-    y = _linear_int8(x2d, q_weight, w_scale, bias, bias32, per_token=linear_activation_granularity() == "token")
-    return y.reshape(*x.shape[:-1], n).to(x.dtype), "int8"
+    else:
+        y = _linear_int8(x2d, q_weight, w_scale, bias, bias32, per_token=linear_activation_granularity() == "token")
+    return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
 def _linear_int8(x2d, q_weight, w_scale, bias, bias32, per_token: bool) -> torch.Tensor:
@@ -160,16 +171,14 @@ def _linear_int8(x2d, q_weight, w_scale, bias, bias32, per_token: bool) -> torch
 
 
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
-    cout, cin_g, kh, kw = q_weight.shape
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     bias32 = None if bias is None else bias.to(torch.float32)
     batch, _, h_out, w_out = conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)
-    rows = batch * h_out * w_out
-    if rows * cin_g * kh * kw * cout < CONV_MIN_MACS or cin_g * kh * kw < MIN_REDUCTION:
+    if conv2d_runs_in_float(x, q_weight, stride, padding, dilation):
         y = F.conv2d(x.float(), _float_weight(q_weight, w_scale), bias32, stride, padding, dilation, groups)
-        return as_contiguous(y, x.dtype), "float"
-    if groups == 1 and rows <= IM2COL_MAX_ROWS:
-        return _conv2d_im2col(x, q_weight, w_scale, bias, bias32, stride, padding, dilation, h_out, w_out), "int8"
+        return as_contiguous(y, x.dtype)
+    if groups == 1 and batch * h_out * w_out <= IM2COL_MAX_ROWS:
+        return _conv2d_im2col(x, q_weight, w_scale, bias, bias32, stride, padding, dilation, h_out, w_out)
     packed, scale32, zeros = _conv_pack(q_weight, w_scale, stride, padding, dilation, groups)
     xq, scale, zero_point = quantize_tensor_u8(x)
     y = torch.ops.onednn.qconv_pointwise(
@@ -177,7 +186,7 @@ def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias:
         stride, padding, dilation, groups, 1.0, 0, torch.float32, "none", [], "",
     )  # fmt: skip
     # oneDNN answers channels-last; the op's contract (and its fake kernel) is contiguous NCHW.
-    return as_contiguous(y, x.dtype), "int8"
+    return as_contiguous(y, x.dtype)
 
 
 def _conv2d_im2col(x, q_weight, w_scale, bias, bias32, stride, padding, dilation, h_out, w_out) -> torch.Tensor:

@@ -61,14 +61,14 @@ def quantize_conv_input(x: torch.Tensor) -> tuple[torch.Tensor, int, float]:
 
 def linear(
     x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, str]:
+) -> torch.Tensor:
     n = q_weight.shape[0]
     q, row_scale = quantize_rows_symmetric(x.reshape(-1, x.shape[-1]))
     acc = int_mm_padded(q, prepared_linear_weight(q_weight), n)
     y = acc.to(torch.float32) * row_scale[:, None] * w_scale.to(torch.float32)[None, :]
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.reshape(*x.shape[:-1], n).to(x.dtype), "int8"
+    return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
 def _prepared_conv_weight(q_weight: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +107,7 @@ def _im2col_int8(xq: torch.Tensor, kernel: tuple[int, int], out_hw: tuple[int, i
 
 
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     xq, zp_signed, scale = quantize_conv_input(x)
     cout, cin_g, kh, kw = q_weight.shape
     b, _, h_out, w_out = conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)
@@ -121,4 +121,4 @@ def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias:
     y = acc.to(torch.float32) * (scale * w_scale.to(torch.float32))[None, :]
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.reshape(b, h_out, w_out, cout).permute(0, 3, 1, 2).contiguous().to(x.dtype), "int8"
+    return y.reshape(b, h_out, w_out, cout).permute(0, 3, 1, 2).contiguous().to(x.dtype)

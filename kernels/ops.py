@@ -4,9 +4,9 @@ Registered through `torch.library` so torch.compile/dynamo traces a model contai
 
 Backends (`BACKENDS`, one module each, in one table): every backend module has `available() -> str | None`
 (None when usable, else why not), `linear(x, q_weight, w_scale, bias)` and
-`conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)`; both return `(output, path)`, the path
-being "int8" when the backend ran the W8A8 arithmetic and "float" when it ran the call in float with the
-dequantized weight. Automatic choice per device: CUDA -> triton, else cuda; CPU -> cpu, else reference;
+`conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)`, both returning the output; a backend
+that computes some calls in float with the dequantized weight (shapes too small for INT8 to pay) says which
+through `linear_runs_in_float(x, q_weight)` / `conv2d_runs_in_float(x, q_weight, stride, padding, dilation)`. Automatic choice per device: CUDA -> triton, else cuda; CPU -> cpu, else reference;
 anything else -> reference. `force_backend` overrides it in the current thread; `record_calls` counts which
 backend and path served each call made in the current thread.
 """
@@ -111,7 +111,10 @@ def _linear_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
     if x.numel() == 0:
         y, path = x.new_zeros(*x.shape[:-1], q_weight.shape[0]), "float"
     else:
-        y, path = _TABLE[backend].linear(x, q_weight, w_scale, bias)
+        module = _TABLE[backend]
+        in_float = getattr(module, "linear_runs_in_float", None)
+        path = "float" if in_float is not None and in_float(x, q_weight) else "int8"
+        y = module.linear(x, q_weight, w_scale, bias)
     _record("linear", backend, path)
     return y
 
@@ -123,7 +126,10 @@ def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
     if x.numel() == 0:
         y, path = x.new_zeros(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)), "float"
     else:
-        y, path = _TABLE[backend].conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
+        module = _TABLE[backend]
+        in_float = getattr(module, "conv2d_runs_in_float", None)
+        path = "float" if in_float is not None and in_float(x, q_weight, stride, padding, dilation) else "int8"
+        y = module.conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
     _record("conv2d", backend, path)
     return y
 

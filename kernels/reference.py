@@ -31,7 +31,7 @@ def _dequantize_affine(x: torch.Tensor) -> torch.Tensor:
 
 def linear(
     x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, str]:
+) -> torch.Tensor:
     x2d = x.reshape(-1, x.shape[-1])
     if linear_activation_granularity() == "token":
         q, row_scale = quantize_rows_symmetric(x2d)
@@ -39,12 +39,12 @@ def linear(
     else:
         x_dq = _dequantize_affine(x2d)
     y = F.linear(x_dq, dequantize_weight(q_weight, w_scale), None if bias is None else bias.to(torch.float32))
-    return y.reshape(*x.shape[:-1], q_weight.shape[0]).to(x.dtype), "int8"
+    return y.reshape(*x.shape[:-1], q_weight.shape[0]).to(x.dtype)
 
 
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     w = dequantize_weight(q_weight, w_scale)
     b = None if bias is None else bias.to(torch.float32)
     y = F.conv2d(_dequantize_affine(x), w, b, stride, padding, dilation, groups)
-    return as_contiguous(y, x.dtype), "int8"
+    return as_contiguous(y, x.dtype)

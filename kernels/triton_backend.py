@@ -32,17 +32,17 @@ def available() -> str | None:
 
 def linear(
     x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, str]:
+) -> torch.Tensor:
     triton_kernels = _kernels()
     n = q_weight.shape[0]
     q, row_scale = triton_kernels.quantize_rows(x.reshape(-1, x.shape[-1]))
     acc = int_mm_padded(q, prepared_linear_weight(q_weight), n)
     y = triton_kernels.rescale(acc, row_scale, w_scale, bias, x.dtype)
-    return y.reshape(*x.shape[:-1], n), "int8"
+    return y.reshape(*x.shape[:-1], n)
 
 
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> tuple[torch.Tensor, str]:  # fmt: skip
+           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     xq, zp_signed, scale = quantize_conv_input(x)
     y = _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, w_scale, bias, stride, padding, dilation, groups)
-    return y.to(x.dtype), "int8"
+    return y.to(x.dtype)

@@ -419,6 +419,10 @@ def test_int_mm_padding_is_exact(m, k, n):
 def test_dispatch_table_and_automatic_choice(monkeypatch):
     assert BACKENDS == ("reference", "cpu", "cuda", "triton")
     assert tuple(ops._TABLE) == BACKENDS
+    q, s = quantize_weight_per_channel(torch.randn(64, 128), 63)
+    for name in ("reference", "cpu", "cuda"):  # the backends that run on CPU tensors without an interpreter
+        y = ops._TABLE[name].linear(torch.randn(40, 128), q, s, None)
+        assert isinstance(y, torch.Tensor) and y.shape == (40, 64), name  # every backend returns the output
     for module in ops._TABLE.values():
         assert callable(module.available) and callable(module.linear) and callable(module.conv2d)
     assert reference.available() is None and cuda.available() is None
