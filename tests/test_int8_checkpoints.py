@@ -272,3 +272,74 @@ def test_loader_gives_a_resident_int8_model(pack, kind, models_dir, monkeypatch)
 
     assert torch.equal(sample(model, kind, steps=2), float_out)
     assert all(torch.equal(value, base_state[key]) for key, value in dm.state_dict().items())
+
+
+# --- Save INT8 Model ------------------------------------------------------------------------------------------------
+
+def test_save_node_declares_its_inputs(pack):
+    node = pack.NODE_CLASS_MAPPINGS["Int8AccelSaveModel"]
+    assert pack.NODE_DISPLAY_NAME_MAPPINGS["Int8AccelSaveModel"] == "Save INT8 Model"
+    spec = node.INPUT_TYPES()["required"]
+    assert list(spec) == ["model", "filename_prefix", "bake_lora"]
+    assert spec["filename_prefix"][1]["default"] == "int8/diffusion_model"
+    assert spec["bake_lora"][0] == "BOOLEAN" and spec["bake_lora"][1]["default"] is False
+    assert node.GET_SCHEMA().is_output_node is True
+
+
+def test_save_needs_a_quantized_calibrated_model(pack, models_dir):
+    from comfyui_int8_accel.nodes.int8.save import save_int8_model
+
+    model = build_tiny_model("sd15")
+    with pytest.raises(ValueError, match="did not go through Quantize Model"):
+        save_int8_model(model)
+    quantized, _ = apply_int8(model, settings_from_widgets(**ALL_INT8))
+    with pytest.raises(ValueError, match=r"run a sampler with this model first \(calibration happens on the first "
+                                         r"sampling step\), then queue Save INT8 Model"):
+        save_int8_model(quantized)
+    assert not list(models_dir.rglob("*.safetensors"))
+
+
+def test_save_then_load_round_trip_with_and_without_lora(pack, models_dir, monkeypatch):
+    import comfy.model_management
+
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+    from comfyui_int8_accel.nodes.int8.save import save_int8_model
+
+    detect_tiny(monkeypatch, "sd15")
+    model = build_tiny_model("sd15")
+    dm = model.model.diffusion_model
+    base_state = {key: value.clone() for key, value in dm.state_dict().items()}
+    expected = all_int8_layers(dm)  # the original weights, quantized as the plan does
+    settings = settings_from_widgets(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    lora = make_lora(model, layers=6, scale=1.0)
+    quantized = apply_lora(apply_int8(model, settings)[0], lora)
+    on_the_fly = sample(quantized, "sd15", steps=2)  # calibrates on its first step
+    plan = int8_plan(quantized)
+    chosen = plan.last_result.chosen
+
+    pack.NODE_CLASS_MAPPINGS["Int8AccelSaveModel"].execute(model=quantized, filename_prefix="int8/tiny",
+                                                          bake_lora=False)
+    (plain_path,) = models_dir.glob("int8/tiny_*.safetensors")
+    baked_path = save_int8_model(quantized, "int8/tiny_baked", bake_lora=True)
+
+    plain, meta = load_int8_diffusion_model(str(plain_path))
+    resident = int8_resident_layers(plain.model.diffusion_model)
+    assert sorted(resident) == sorted(chosen) and len(chosen) == len(expected)
+    assert all(torch.equal(resident[name].weight, expected[name].weight) for name in chosen)
+    assert meta["int8_accel.report"] == plan.last_report and meta["int8_accel.bake_lora"] == "false"
+    assert json.loads(meta["int8_accel.settings"])["compute_density_threshold"] == 0
+
+    baked, meta = load_int8_diffusion_model(baked_path)
+    assert meta["int8_accel.bake_lora"] == "true"
+    lora_layers = {key.removeprefix("diffusion_model.").removesuffix(".lora_up.weight") for key in lora
+                   if key.endswith(".lora_up.weight")}
+    baked_layers = int8_resident_layers(baked.model.diffusion_model)
+    assert all(not torch.equal(baked_layers[name].weight, expected[name].weight) for name in lora_layers)
+    # the baked file computes what the quantized model with its LoRA computes; the plain one plus the LoRA is close
+    assert rel(sample(baked, "sd15", steps=2), on_the_fly) < 1e-3
+    plain_with_lora = sample(apply_lora(plain, lora), "sd15", steps=2)
+    plain_out = sample(plain, "sd15", steps=2)
+    assert rel(plain_with_lora, on_the_fly) < rel(plain_out, on_the_fly)
+
+    comfy.model_management.unload_all_models()  # ComfyUI leaves the last run's patches applied until then
+    assert all(torch.equal(value, base_state[key]) for key, value in dm.state_dict().items())
