@@ -343,3 +343,38 @@ def test_save_then_load_round_trip_with_and_without_lora(pack, models_dir, monke
 
     comfy.model_management.unload_all_models()  # ComfyUI leaves the last run's patches applied until then
     assert all(torch.equal(value, base_state[key]) for key, value in dm.state_dict().items())
+
+
+def test_layers_built_without_comfy_ops_load_as_int8_too(comfy_root, monkeypatch):
+    """A model may build a layer with plain torch.nn.Linear (ComfyUI's ops never see it): its INT8 entries still
+    load as an INT8 layer, and entries of no layer at all are an error."""
+    import comfy.model_detection
+
+    from comfyui_int8_accel.nodes.int8.loader import load_int8_state_dict
+
+    def config_with_a_plain_layer(sd, prefix, use_base_if_no_match=False, metadata=None):
+        cfg = tiny_model_config("flux")
+        get_model = cfg.get_model
+
+        def build(*args, **kwargs):
+            base = get_model(*args, **kwargs)
+            old = base.diffusion_model.final_layer.linear
+            base.diffusion_model.final_layer.linear = torch.nn.Linear(old.in_features, old.out_features)
+            return base
+        cfg.get_model = build
+        return cfg
+
+    monkeypatch.setattr(comfy.model_detection, "model_config_from_unet", config_with_a_plain_layer)
+    model = build_tiny_model("flux")
+    dm = model.model.diffusion_model
+    layers = all_int8_layers(dm)
+    loaded = load_int8_state_dict(int8_state_dict(dm.state_dict().items(), layers))
+    resident = int8_resident_layers(loaded.model.diffusion_model)
+    assert sorted(resident) == sorted(layers) and isinstance(resident["final_layer.linear"], Int8Linear)
+    on_the_fly = sample(apply_int8(model, settings_from_widgets(**ALL_INT8))[0], "flux", steps=2)
+    assert rel(sample(loaded, "flux", steps=2), on_the_fly) < 1e-3
+
+    sd = int8_state_dict(dm.state_dict().items(), layers)
+    sd["not_a_layer.weight"], sd["not_a_layer.weight_scale"] = torch.ones(2, 2, dtype=torch.int8), torch.ones(2)
+    with pytest.raises(ValueError, match="not Linear/Conv2d layers of this model.*not_a_layer"):
+        load_int8_state_dict(sd)

@@ -20,6 +20,7 @@ import comfy.utils
 import torch
 
 from ...kernels import weight_qmax
+from ..layers import layer_kind
 from .checkpoint import int8_layer_names, read_int8_layer
 from .modules import Int8Conv2d, Int8Linear, _Int8Layer
 
@@ -109,25 +110,71 @@ def int8_resident_layers(diffusion_model: torch.nn.Module) -> dict[str, torch.nn
     return {name: m for name, m in diffusion_model.named_modules() if isinstance(m, _Int8Layer)}
 
 
+def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """Turn layers the model builds with plain torch classes (not ComfyUI's ops, e.g. SD3's context_embedder)
+    whose file entries are INT8 into INT8 layers; they were loaded as float weights holding int8 values.
+    `stored` maps each name to its file entries as {"layer.weight": ..., "layer.weight_scale": ..., ...}.
+    Returns the names that are neither."""
+    failed = []
+    for name, entries in stored.items():
+        parent_name, _, leaf = name.rpartition(".")
+        try:
+            module = diffusion_model.get_submodule(name)
+        except AttributeError:
+            failed.append(name)
+            continue
+        if isinstance(module, _Int8Layer):
+            continue
+        kind = layer_kind(module)
+        q_weight, scale, _ = read_int8_layer(entries, "layer", qmax=_compute_qmax())
+        if kind not in ("linear", "conv") or tuple(module.weight.shape) != tuple(q_weight.shape):
+            failed.append(name)
+            continue
+        device, dtype = module.weight.device, module.weight.dtype
+        bias = entries.get("layer.bias")
+        bias = None if bias is None else bias.to(device=device, dtype=dtype, copy=True)
+        if kind == "linear":
+            layer = Int8Linear.__new__(Int8Linear)
+            torch.nn.Module.__init__(layer)
+            layer.out_features, layer.in_features = q_weight.shape
+        else:
+            if module.padding_mode != "zeros" or isinstance(module.padding, str):
+                failed.append(name)
+                continue
+            layer = Int8Conv2d.__new__(Int8Conv2d)
+            torch.nn.Module.__init__(layer)
+            for attr in ("out_channels", "in_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
+                setattr(layer, attr, getattr(module, attr))
+        layer._init_from_quantized(q_weight.to(device=device, copy=True), scale.to(device=device), bias,
+                                   _compute_qmax(), dtype)
+        parent = diffusion_model.get_submodule(parent_name) if parent_name else diffusion_model
+        parent._modules[leaf] = layer
+    return failed
+
+
 def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
                          model_options: dict | None = None):
     """A ModelPatcher for a diffusion-model state dict in ComfyUI's INT8 format (plain float files load too).
 
-    Raises ValueError when the model type is not recognised, or when an INT8 layer of the file landed in a
-    layer this loader cannot make INT8 (one the model builds without ComfyUI's ops): its int8 values would
-    otherwise be used as float weights without their scale."""
-    expected = {name.removeprefix("model.diffusion_model.") for name in int8_layer_names(sd)}
+    Raises ValueError when the model type is not recognised, or when an INT8 entry of the file belongs to no
+    Linear/Conv2d layer of the model (its int8 values would otherwise be used without their scale)."""
+    stored = {}  # the file's tensors of every INT8 layer, for layers the ops do not build (references only)
+    for key in int8_layer_names(sd):
+        stored[key.removeprefix("model.diffusion_model.")] = {
+            f"layer.{suffix}": sd[f"{key}.{suffix}"] for suffix in _LAYER_KEYS if f"{key}.{suffix}" in sd}
     options = dict(model_options or {})
     options["custom_operations"] = int8_operations(options.get("custom_operations") or comfy.ops.disable_weight_init)
     patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options,
                                                         metadata=dict(metadata) if metadata else None)
     if patcher is None:
         raise ValueError("could not detect the model type of this diffusion-model state dict")
-    resident = int8_resident_layers(patcher.model.diffusion_model)
-    stray = sorted(expected - set(resident))
-    if stray:
-        raise ValueError(f"{len(stray)} INT8 layers of the file are not Linear/Conv2d layers built with ComfyUI's "
-                         f"ops, so they cannot run in INT8: {stray[:5]}")
+    diffusion_model = patcher.model.diffusion_model
+    resident = int8_resident_layers(diffusion_model)
+    failed = _rescue_plain_layers(diffusion_model, {k: v for k, v in stored.items() if k not in resident})
+    if failed:
+        raise ValueError(f"{len(failed)} INT8 entries of the file are not Linear/Conv2d layers of this model, so "
+                         f"they cannot run in INT8: {sorted(failed)[:5]}")
+    resident = int8_resident_layers(diffusion_model)
     linear = sum(isinstance(m, Int8Linear) for m in resident.values())
     log.info("int8-accel: loaded %d Linear and %d Conv2d layers as resident INT8", linear, len(resident) - linear)
     return patcher
