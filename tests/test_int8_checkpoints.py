@@ -24,7 +24,11 @@ from comfyui_int8_accel.nodes.int8.checkpoint import (
     parse_comfy_quant,
     read_int8_layer,
 )
-from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_diffusion_model
+from comfyui_int8_accel.nodes.int8.loader import (
+    int8_resident_layers,
+    load_int8_diffusion_model,
+    load_int8_state_dict,
+)
 from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d, Int8Linear
 from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
 from tests.support.lora import apply_lora, make_lora
@@ -253,6 +257,7 @@ def test_loader_gives_a_resident_int8_model(pack, kind, models_dir, monkeypatch)
     assert all(m.weight.dtype == torch.int8 and m.weight_scale.dtype == torch.float32 for m in resident.values())
     assert not find_candidates(ldm)  # no float Linear/Conv2d left that could have been INT8
     assert model_bytes(ldm) < 0.4 * model_bytes(dm)
+    assert loaded.model_size() < 0.4 * model.model_size()  # what ComfyUI's memory management budgets for
     _, file_meta = load_int8_diffusion_model(str(models_dir / f"{kind}.safetensors"))
     assert file_meta["int8_accel.report"] == "summary: test"
 
@@ -272,6 +277,10 @@ def test_loader_gives_a_resident_int8_model(pack, kind, models_dir, monkeypatch)
 
     assert torch.equal(sample(model, kind, steps=2), float_out)
     assert all(torch.equal(value, base_state[key]) for key, value in dm.state_dict().items())
+    # a plain float file loads through the same ops as the float model it came from
+    plain = load_int8_state_dict(dict(base_state))
+    assert not int8_resident_layers(plain.model.diffusion_model)
+    assert torch.equal(sample(plain, kind, steps=2), float_out)
 
 
 # --- Save INT8 Model ------------------------------------------------------------------------------------------------
@@ -349,8 +358,6 @@ def test_layers_built_without_comfy_ops_load_as_int8_too(comfy_root, monkeypatch
     """A model may build a layer with plain torch.nn.Linear (ComfyUI's ops never see it): its INT8 entries still
     load as an INT8 layer, and entries of no layer at all are an error."""
     import comfy.model_detection
-
-    from comfyui_int8_accel.nodes.int8.loader import load_int8_state_dict
 
     def config_with_a_plain_layer(sd, prefix, use_base_if_no_match=False, metadata=None):
         cfg = tiny_model_config("flux")
