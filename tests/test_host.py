@@ -26,8 +26,10 @@ def test_pack_imports_outside_comfyui_without_crashing():
     assert result.stdout.strip() == "ok"
 
 
-def test_pack_exports_its_three_nodes_inside_comfyui(pack):
+def test_pack_exports_its_nodes_inside_comfyui(pack):
     assert pack.NODE_DISPLAY_NAME_MAPPINGS == {"Int8AccelQuantize": "Quantize Model (INT8)",
+                                               "Int8AccelLoadModel": "Load Diffusion Model (INT8)",
+                                               "Int8AccelSaveModel": "Save INT8 Model",
                                                "Int8AccelDeepCache": "DeepCache", "Int8AccelCompile": "Compile Model"}
     assert set(pack.NODE_CLASS_MAPPINGS) == set(pack.NODE_DISPLAY_NAME_MAPPINGS)
 

@@ -39,6 +39,18 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         self._initializing = False
 
+    def _init_from_quantized(self, q_weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                             qmax: int, compute_dtype: torch.dtype) -> None:
+        """Take already-quantized tensors (a checkpoint's): int8 `q_weight`, float32 `scale` [out]."""
+        self.qmax = qmax
+        self.compute_dtype = compute_dtype
+        self._initializing = True
+        self.weight = torch.nn.Parameter(q_weight, requires_grad=False)
+        self.register_buffer("weight_scale", scale)
+        self.base_weight_scale = scale
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self._initializing = False
+
     def __setattr__(self, name: str, value) -> None:
         # ModelPatcher restores a backed-up weight with setattr; the original int8 tensor belongs with the
         # original scale, not with the fresh one a LoRA requantization left behind.

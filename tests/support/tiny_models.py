@@ -94,15 +94,22 @@ def _dit_config(kind: str) -> tuple[type, dict]:
     raise ValueError(kind)
 
 
+def tiny_model_config(kind: str):
+    """ComfyUI's model config for the tiny `kind` model (what model detection would return for a real one; its
+    rules do not recognise the tiny sizes, so state-dict loading tests hand this in)."""
+    cls, unet_config = _unet_config(kind) if kind in ("sd15", "sdxl") else _dit_config(kind)
+    cfg = cls(dict(unet_config))
+    if kind in ("sd15", "sdxl"):
+        cfg.unet_config.update(num_head_channels=16, num_heads=-1)  # the config class would impose 64
+    return cfg
+
+
 def build_tiny_model(kind: str = "sd15", seed: int = 0):
     """A ModelPatcher around a tiny `kind` model ('sd15', 'sdxl', 'flux', 'sd3') on the CPU, fp32."""
     import comfy.model_management
     import comfy.model_patcher
 
-    cls, unet_config = _unet_config(kind) if kind in ("sd15", "sdxl") else _dit_config(kind)
-    cfg = cls(unet_config)
-    if kind in ("sd15", "sdxl"):
-        cfg.unet_config.update(num_head_channels=16, num_heads=-1)  # the config class would impose 64
+    cfg = tiny_model_config(kind)
     cfg.set_inference_dtype(torch.float32, None)
     base = cfg.get_model({})
     _fill_weights(base, seed)

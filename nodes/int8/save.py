@@ -1,0 +1,88 @@
+"""Saving a quantized MODEL as an INT8 checkpoint in ComfyUI's INT8 format (see `checkpoint.py`).
+
+The layers written in INT8 are the ones the model's INT8 plan chose at calibration; they are quantized the way
+the plan quantizes them (`Int8Plan._quantize_layer`), from the model's float weights: the original ones, or with
+the model's LoRA/weight patches baked in when asked. Everything else is written as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+
+import comfy.model_management
+import comfy.utils
+import torch
+
+from ...kernels import weight_bits
+from . import int8_plan
+from .checkpoint import int8_metadata, int8_state_dict
+from .plan import Int8Plan, find_candidates, unwrap_compiled
+
+log = logging.getLogger("int8_accel.int8")
+NOT_QUANTIZED = "this model did not go through Quantize Model (INT8): connect the Quantize node's model output"
+NOT_CALIBRATED = ("the INT8 layers are not chosen yet: run a sampler with this model first (calibration happens on "
+                  "the first sampling step), then queue Save INT8 Model")
+
+
+def _calibration_result(plan: Int8Plan):
+    if plan.last_result is not None:
+        return plan.last_result
+    return next(reversed(plan.results.values()), None)
+
+
+def _weights_patcher(model, bake_lora: bool):
+    """A patcher whose live diffusion-model weights are the ones to save, loaded with its patches applied."""
+    patcher = model
+    if not bake_lora:
+        patcher = model.clone()
+        patcher.patches = {}
+        patcher.patches_uuid = uuid.uuid4()
+    comfy.model_management.load_models_gpu([patcher], force_patch_weights=True)
+    return patcher
+
+
+def int8_checkpoint(model, bake_lora: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state dict, safetensors metadata) of `model`'s diffusion model with its chosen layers in INT8."""
+    plan = int8_plan(model)
+    if plan is None:
+        raise ValueError(NOT_QUANTIZED)
+    result = _calibration_result(plan)
+    if result is None:
+        raise ValueError(NOT_CALIBRATED)
+    patcher = _weights_patcher(model, bake_lora)
+    root = unwrap_compiled(patcher.model.diffusion_model)
+    candidates = find_candidates(root)
+    layers = {}
+    for name in result.chosen:
+        if name in candidates:
+            path, kind = candidates[name]
+            layers[name] = Int8Plan._quantize_layer(root.get_submodule(path), kind)
+    with torch.no_grad():
+        sd = int8_state_dict(root.state_dict().items(), layers)
+    device = next(iter(layers.values())).weight.device if layers else torch.device("cpu")
+    kinds = [candidates[name][1] for name in layers]
+    metadata = int8_metadata(dataclasses.asdict(plan.settings), plan.last_report or None,
+                             weight_bits=weight_bits(device), bake_lora=str(bool(bake_lora)).lower(),
+                             latent_shape=str(result.shape), int8_linear=str(kinds.count("linear")),
+                             int8_conv=str(kinds.count("conv")))
+    return sd, metadata
+
+
+def save_int8_model(model, filename_prefix: str = "int8/diffusion_model", bake_lora: bool = False,
+                    output_dir: str | None = None) -> str:
+    """Write `model` (a MODEL from Quantize Model (INT8), calibrated) as one .safetensors in ComfyUI's first
+    diffusion_models folder (or `output_dir`) and return its path."""
+    import folder_paths
+
+    sd, metadata = int8_checkpoint(model, bake_lora)
+    output_dir = output_dir or folder_paths.get_folder_paths("diffusion_models")[0]
+    folder, filename, counter, _, _ = folder_paths.get_save_image_path(filename_prefix, output_dir)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{filename}_{counter:05}_.safetensors")
+    comfy.utils.save_torch_file(sd, path, metadata=metadata)
+    log.info("int8-accel: saved %s (%s Linear and %s Conv2d layers in INT8)", path,
+             metadata["int8_accel.int8_linear"], metadata["int8_accel.int8_conv"])
+    return path

@@ -1,0 +1,38 @@
+"""The "Save INT8 Model" node: a calibrated MODEL from Quantize Model (INT8) written in ComfyUI's INT8 format."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from .save import save_int8_model
+
+
+class Int8AccelSaveModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="Int8AccelSaveModel",
+            display_name="Save INT8 Model",
+            category="int8-accel",
+            description=(
+                "Saves the diffusion model of a MODEL that went through Quantize Model (INT8) as one .safetensors "
+                "in ComfyUI's INT8 format, in the diffusion_models folder: the layers calibration chose are "
+                "written as int8 weight + weight_scale + comfy_quant, the rest as it is, with the settings and "
+                "the calibration report in the file's metadata. Load it with Load Diffusion Model (INT8). "
+                "Calibration happens on the first sampling step, so run a sampler with the model first."),
+            inputs=[
+                io.Model.Input("model", tooltip="The MODEL output of Quantize Model (INT8), after one sampling run."),
+                io.String.Input("filename_prefix", default="int8/diffusion_model",
+                                tooltip="Path and file name prefix inside the diffusion_models folder."),
+                io.Boolean.Input("bake_lora", default=False, tooltip=(
+                    "Write the weights with the model's LoRA and other weight patches applied. Off: the original "
+                    "weights, so a LoRA can still be added after loading.")),
+            ],
+            outputs=[],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, model, filename_prefix: str, bake_lora: bool) -> io.NodeOutput:
+        save_int8_model(model, filename_prefix, bake_lora)
+        return io.NodeOutput()
