@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..node_validation import combo_problem
+from ..node_schema import combo_problem, pack_schema
 from . import DYNAMIC_CHOICES, MODE_CHOICES, CompileSettings, available_backends, compile_model
 
 
 class Int8AccelCompile(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="Int8AccelCompile",
-            display_name="Compile Model",
-            category="int8-accel",
+        return pack_schema(
+            "Int8AccelCompile", "Compile Model",
             description=(
                 "Speeds up sampling with torch.compile, compiling only the pieces that win on your device "
                 "(on the CPU also prepacked conv/linear weights and fused attention). Compiles on the first "

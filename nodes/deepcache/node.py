@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..node_schema import pack_schema
 from . import apply_deepcache
 
 MAX_DEPTH_WIDGET = 64
@@ -24,10 +25,8 @@ DESCRIPTION = (
 class Int8AccelDeepCache(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="Int8AccelDeepCache",
-            display_name="DeepCache",
-            category="int8-accel",
+        return pack_schema(
+            "Int8AccelDeepCache", "DeepCache",
             description=DESCRIPTION,
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to accelerate (UNet: SD1.x/SD2.x/SDXL; DiT: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io
 
-from ..node_validation import combo_problem
+from ..node_schema import combo_problem, pack_schema
 from .loader import load_int8_diffusion_model
 
 FOLDER = "diffusion_models"
@@ -14,10 +14,8 @@ FOLDER = "diffusion_models"
 class Int8AccelLoadModel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="Int8AccelLoadModel",
-            display_name="Load Diffusion Model (INT8)",
-            category="int8-accel",
+        return pack_schema(
+            "Int8AccelLoadModel", "Load Diffusion Model (INT8)",
             description=(
                 "Loads a diffusion model saved in ComfyUI's INT8 format (int8 weight + weight_scale + comfy_quant "
                 "per layer). Its INT8 Linear and Conv2d layers stay int8 in memory and run on the INT8 kernels, so "

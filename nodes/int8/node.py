@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..node_validation import combo_problem
+from ..node_schema import combo_problem, pack_schema
 from . import apply_int8
 from .cache import report_generation
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
@@ -21,10 +21,8 @@ WIDGETS = ("bits", "quantize_conv", "quantize_linear", "conv_mse_threshold", "li
 class Int8AccelQuantize(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="Int8AccelQuantize",
-            display_name="Quantize Model (INT8)",
-            category="int8-accel",
+        return pack_schema(
+            "Int8AccelQuantize", "Quantize Model (INT8)",
             description=(
                 "Runs the model's Linear and Conv2d layers in INT8 (W8A8) where that is accurate and worth it. "
                 "The first sampling step calibrates: every candidate layer measures its INT8 error on the real "

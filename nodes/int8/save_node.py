@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..node_schema import pack_schema
 from .save import save_int8_model
 
 
 class Int8AccelSaveModel(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
-            node_id="Int8AccelSaveModel",
-            display_name="Save INT8 Model",
-            category="int8-accel",
+        return pack_schema(
+            "Int8AccelSaveModel", "Save INT8 Model",
             description=(
                 "Saves the diffusion model of a MODEL that went through Quantize Model (INT8) as one .safetensors "
                 "in ComfyUI's INT8 format, in the diffusion_models folder: the layers calibration chose are "
