@@ -32,7 +32,13 @@ from comfyui_int8_accel.nodes.int8.loader import (
 from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d, Int8Linear
 from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
 from tests.support.lora import apply_lora, make_lora
-from tests.support.tiny_models import build_tiny_model, sample, tiny_model_config
+from tests.support.tiny_models import (
+    build_tiny_model,
+    latent_channels,
+    make_conditioning,
+    sample,
+    tiny_model_config,
+)
 
 ALL_INT8 = {"conv_mse_threshold": 1.0, "linear_mse_threshold": 1.0, "compute_density_threshold": 0}
 
@@ -281,6 +287,61 @@ def test_loader_gives_a_resident_int8_model(pack, kind, models_dir, monkeypatch)
     plain = load_int8_state_dict(dict(base_state))
     assert not int8_resident_layers(plain.model.diffusion_model)
     assert torch.equal(sample(plain, kind, steps=2), float_out)
+
+
+def _run_patched(patcher, kind: str, lowvram: bool) -> torch.Tensor:
+    """One model call of `patcher` loaded normally or in ComfyUI's low-VRAM mode (every layer offloaded, LoRA
+    applied per forward through `weight_function`)."""
+    gen = torch.Generator().manual_seed(3)
+    positive, _ = make_conditioning(kind, batch=2)
+    x, t = torch.randn(2, latent_channels(kind), 16, 16, generator=gen), torch.tensor([700.0, 700.0])
+    patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1 if lowvram else 0)
+    offloaded_with_lora = [m for m in patcher.model.modules() if getattr(m, "weight_function", None)]
+    assert bool(offloaded_with_lora) == (lowvram and bool(patcher.patches))
+    try:
+        with torch.inference_mode():
+            cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
+            cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
+            return patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
+    finally:
+        patcher.unpatch_model(device_to=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["sd15", "flux"])
+def test_lora_after_the_loader_matches_float_lora_within_int8_error(pack, kind, models_dir, monkeypatch,
+                                                                     weight_width):
+    """LoraLoaderModelOnly after Load Diffusion Model (INT8), at two strengths and in low-VRAM mode, does what the
+    LoRA does on the float model, up to INT8's own error at this weight width."""
+    import comfy.model_management
+
+    detect_tiny(monkeypatch, kind)
+    model = build_tiny_model(kind)
+    dm = model.model.diffusion_model
+    base_state = {key: value.clone() for key, value in dm.state_dict().items()}
+    loaded = load_int8_state_dict(int8_state_dict(dm.state_dict().items(), all_int8_layers(dm)))
+    assert rel(sample(loaded, kind, steps=2), sample(model, kind, steps=2)) > 1e-5  # it really runs INT8
+    lora = make_lora(model, layers=8, scale=2.0)
+    on_the_fly = apply_int8(model, settings_from_widgets(**ALL_INT8))[0]
+    for strength in (1.0, 0.5):
+        float_lora = sample(apply_lora(model, lora, strength), kind, steps=2)
+        # INT8's own error with this LoRA at this width: INT8 built from the merged float weights
+        int8_error = rel(sample(apply_lora(on_the_fly, lora, strength), kind, steps=2), float_lora)
+        with_lora = sample(apply_lora(loaded, lora, strength), kind, steps=2)
+        # dequantize, add the LoRA, requantize: one rounding more than INT8 from the merged weights
+        assert rel(with_lora, float_lora) < 1.5 * int8_error + 1e-3, (strength, int8_error)
+        assert rel(with_lora, sample(loaded, kind, steps=2)) > 0.01  # the LoRA took effect at this strength
+
+    comfy.model_management.unload_all_models()  # sampling leaves the last run's patches applied until then
+    float_lora = _run_patched(apply_lora(model, lora), kind, lowvram=False)
+    int8_error = rel(_run_patched(apply_lora(on_the_fly, lora), kind, lowvram=False), float_lora)
+    loaded_plain_call = _run_patched(loaded, kind, lowvram=False)
+    full = _run_patched(apply_lora(loaded, lora), kind, lowvram=False)
+    low_vram = _run_patched(apply_lora(loaded, lora), kind, lowvram=True)  # LoRA on the dequantized weight
+    for result in (full, low_vram):
+        assert rel(result, float_lora) < 1.5 * int8_error + 1e-3, int8_error
+        assert rel(result, loaded_plain_call) > 0.01
+    assert torch.equal(_run_patched(loaded, kind, lowvram=False), loaded_plain_call)  # nothing left behind
+    assert all(torch.equal(value, base_state[key]) for key, value in dm.state_dict().items())
 
 
 # --- Save INT8 Model ------------------------------------------------------------------------------------------------

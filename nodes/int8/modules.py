@@ -93,11 +93,15 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         return None
 
     def _float_weight_for_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Low-VRAM path: ComfyUI left this layer offloaded with LoRA in weight_function."""
+        """Low-VRAM path: ComfyUI left this layer offloaded with LoRA in weight_function. As in ComfyUI's own
+        cast, the patches receive the stored weight: ModelPatcher's low-VRAM patch turns it into real units
+        through `convert_weight` itself, so only an unpatched weight is scaled here."""
         weight = self.weight.to(x.device).float()
-        weight = weight * self._scale_view(weight)
-        for fn in self.weight_function:
-            weight = fn(weight)
+        if self.weight_function:
+            for fn in self.weight_function:
+                weight = fn(weight)
+        else:
+            weight = weight * self._scale_view(weight)
         bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
         for fn in self.bias_function:
             bias = fn(bias)
