@@ -238,7 +238,7 @@ def test_load_node_declares_its_file_combo(pack, models_dir):
     assert "is not one of" in node.validate_inputs(unet_name="missing.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["sd15", "flux"])
+@pytest.mark.parametrize("kind", ["sd15", "sdxl", "flux", "sd3"])
 def test_loader_gives_a_resident_int8_model(pack, kind, models_dir, monkeypatch):
     import comfy.utils
 
