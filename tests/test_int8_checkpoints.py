@@ -344,6 +344,21 @@ def test_lora_after_the_loader_matches_float_lora_within_int8_error(pack, kind, 
     assert all(torch.equal(value, base_state[key]) for key, value in dm.state_dict().items())
 
 
+def test_weights_stored_in_a_dtype_the_device_does_not_compute_in_are_cast(pack, monkeypatch):
+    """fp16 storage on a CPU: ComfyUI computes in fp32 (manual cast); the loaded INT8 model does the same."""
+    detect_tiny(monkeypatch, "sd15")
+    model = build_tiny_model("sd15")
+    dm = model.model.diffusion_model
+    sd = int8_state_dict(dm.state_dict().items(), all_int8_layers(dm))
+    as_fp32 = load_int8_state_dict(dict(sd))
+    as_fp16 = load_int8_state_dict(dict(sd), model_options={"dtype": torch.float16})
+    assert as_fp16.model.get_dtype() == torch.float16 and as_fp16.model.manual_cast_dtype == torch.float32
+    float_layers = [m for m in as_fp16.model.diffusion_model.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert float_layers and all(m.weight.dtype == torch.float16 and m.comfy_cast_weights for m in float_layers)
+    out = sample(as_fp16, "sd15", steps=2)
+    assert out.dtype == torch.float32 and rel(out, sample(as_fp32, "sd15", steps=2)) < 1e-2
+
+
 # --- Save INT8 Model ------------------------------------------------------------------------------------------------
 
 def test_save_node_declares_its_inputs(pack):

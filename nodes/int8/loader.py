@@ -152,6 +152,22 @@ def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dic
     return failed
 
 
+def _honour_manual_cast(base_model) -> None:
+    """When ComfyUI stores the weights in a dtype the device does not compute in (its `manual_cast_dtype`, e.g.
+    fp16 storage computed in fp32 on a CPU), make the float layers cast their weights per forward, as ComfyUI's
+    own `manual_cast` ops would, and run the INT8 layers' bias and output in the compute dtype."""
+    compute_dtype = base_model.manual_cast_dtype
+    if compute_dtype is None:
+        return
+    for module in base_model.diffusion_model.modules():
+        if isinstance(module, _Int8Layer):
+            module.compute_dtype = compute_dtype
+            if module.bias is not None:
+                module.bias = torch.nn.Parameter(module.bias.to(compute_dtype), requires_grad=False)
+        elif isinstance(module, comfy.ops.CastWeightBiasOp):
+            module.comfy_cast_weights = True
+
+
 def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
                          model_options: dict | None = None):
     """A ModelPatcher for a diffusion-model state dict in ComfyUI's INT8 format (plain float files load too).
@@ -175,6 +191,7 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
         raise ValueError(f"{len(failed)} INT8 entries of the file are not Linear/Conv2d layers of this model, so "
                          f"they cannot run in INT8: {sorted(failed)[:5]}")
     resident = int8_resident_layers(diffusion_model)
+    _honour_manual_cast(patcher.model)
     linear = sum(isinstance(m, Int8Linear) for m in resident.values())
     log.info("int8-accel: loaded %d Linear and %d Conv2d layers as resident INT8", linear, len(resident) - linear)
     return patcher
