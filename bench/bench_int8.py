@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import itertools
 import os
 import platform
 import tempfile
@@ -34,15 +35,23 @@ def main() -> None:
     negative = encode(clip, "blurry, low quality")
     int8 = importlib.import_module("comfyui_int8_accel.nodes.int8")
     every_layer = int8.QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
-    variants = {
-        "fp32 baseline": model,
-        "INT8 defaults (mse 0.1, density 300)": int8.apply_int8(model, int8.QuantizeSettings())[0],
-        "INT8 every eligible layer (mse 1, density 0)": int8.apply_int8(model, every_layer)[0],
+    on_error = int8.QuantizeSettings(compute_density_threshold=0)
+    gate_on, gate_off = "1", "0"
+    # name: (settings, speed gate); the fp32 baseline has none
+    plans = {
+        "INT8 node defaults (mse 0.1, density 300, speed gate)": (int8.QuantizeSettings(), gate_on),
+        "INT8 density 0, mse 0.1, speed gate": (on_error, gate_on),
+        "INT8 density 0, mse 1, speed gate": (every_layer, gate_on),
+        "INT8 every eligible layer (mse 1, density 0, no speed gate)": (every_layer, gate_off),
     }
-    # Calibrate once outside the timed runs (the decision is cached); report how long it took.
+    variants = {"fp32 baseline": model}
+    variants.update({name: int8.apply_int8(model, settings)[0] for name, (settings, _) in plans.items()})
+    # Calibrate once outside the timed runs (the decision is cached); report how long it took. The speed gate is
+    # read when a model calibrates, so each variant calibrates with its own setting.
     calibration = {}
-    for name, variant in list(variants.items())[1:]:
-        run = timed_sample(variant, vae, positive, negative, size=args.size, steps=2, decode=False)
+    for name, (_, gate) in plans.items():
+        os.environ["INT8_ACCEL_SPEED_GATE"] = gate
+        run = timed_sample(variants[name], vae, positive, negative, size=args.size, steps=2, decode=False)
         calibration[name] = run.step_seconds[0]
 
     runs = {name: [] for name in variants}
@@ -65,8 +74,8 @@ def main() -> None:
                      "identical" if latent_psnr == float("inf") else f"{latent_psnr:.1f}"])
     for name, variant in variants.items():
         if name in calibration:
-            plan = variant.wrappers["apply_model"]["int8_accel_quantize"][-1].__self__
-            print(f"--- {name}\n" + plan.last_report.splitlines()[-1])
+            print(f"--- {name}\n" + "\n".join(line for line in plan_of(variant).last_report.splitlines()
+                                               if line.startswith(("summary:", "speed gate:"))))
     notes = [
         f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}; full-size SD1.5 architecture with random weights, {args.size}x{args.size}, "
@@ -75,10 +84,45 @@ def main() -> None:
         "calibration = the first step of the first run: one fp32 forward with every candidate layer measured, "
         "plus one INT8 forward for the whole-model error; later runs read the cached decision.",
         "PSNR against the fp32 baseline: image in [0,1]; latent with the baseline latent's range as peak.",
+        "speed gate: calibration times each layer that passes the error and density gates in float and in INT8 on "
+        "the real input (median of 3, layers of equal call signature timed once) and keeps INT8 only where it is "
+        "faster; `bench/results/int8_speed_gate.md` has those timings by compute density.",
     ]
     write_table("int8", "INT8 vs fp32, full-size SD1.5 (CPU)",
                 ["variant", "UNet step s", "step ratio", "image s", "image ratio", "calibration s",
                  "image PSNR dB", "latent PSNR dB"], rows, notes)
+    write_density_table(plan_of(variants["INT8 density 0, mse 1, speed gate"]).last_result, args.size)
+
+
+def plan_of(variant):
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+
+    return int8_plan(variant)
+
+
+DENSITY_EDGES = (0, 25, 50, 100, 150, 200, 300, 500, 1000, 2000, float("inf"))
+
+
+def write_density_table(result, size: int) -> None:
+    """Where INT8 wins on this device: the speed gate's timings of every layer, grouped by compute density."""
+    rows = []
+    for low, high in itertools.pairwise(DENSITY_EDGES):
+        timed = [layer for layer in result.layers if low <= layer.density < high and layer.int8_ms is not None]
+        if not timed:
+            continue
+        faster = sum(1 for layer in timed if layer.int8_ms < layer.float_ms)
+        float_ms = sum(layer.float_ms for layer in timed)
+        int8_ms = sum(layer.int8_ms for layer in timed)
+        rows.append([f"{low}-{high}", str(len(timed)), f"{faster}/{len(timed)}", f"{float_ms:.1f}", f"{int8_ms:.1f}",
+                     f"{float_ms / int8_ms:.2f}x"])
+    notes = [
+        f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"backend {result.backend}; full-size SD1.5 architecture, {size}x{size} (UNet batch 2), every eligible "
+        f"layer timed by calibration's speed gate (median of 3 calls, float vs INT8, on the real input).",
+        "density = M*K*N / (M*K + K*N + M*N) of the layer's call; ms = sum over the bucket's layers.",
+    ]
+    write_table("int8_speed_gate", "Where INT8 wins: speed-gate timings by compute density (CPU)",
+                ["density", "layers", "INT8 faster", "float ms", "INT8 ms", "ratio"], rows, notes)
 
 
 if __name__ == "__main__":

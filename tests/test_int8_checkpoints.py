@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from comfyui_int8_accel.nodes.int8.loader import (
     int8_resident_layers,
     load_int8_diffusion_model,
     load_int8_state_dict,
+    resident_memory_line,
 )
 from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d, Int8Linear
 from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
@@ -264,6 +266,10 @@ def test_loader_gives_a_resident_int8_model(pack, kind, models_dir, monkeypatch)
     assert not find_candidates(ldm)  # no float Linear/Conv2d left that could have been INT8
     assert model_bytes(ldm) < 0.4 * model_bytes(dm)
     assert loaded.model_size() < 0.4 * model.model_size()  # what ComfyUI's memory management budgets for
+    memory = resident_memory_line(loaded)  # shown on the node in the page
+    int8_mib, float_mib = (float(v) for v in re.search(r"take ([\d.]+) MiB instead of ([\d.]+) MiB", memory).groups())
+    linear = sum(isinstance(m, Int8Linear) for m in resident.values())
+    assert 0 < int8_mib < 0.3 * float_mib and f"{linear} Linear and {len(resident) - linear} Conv2d" in memory
     _, file_meta = load_int8_diffusion_model(str(models_dir / f"{kind}.safetensors"))
     assert file_meta["int8_accel.report"] == "summary: test"
 

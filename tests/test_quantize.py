@@ -165,6 +165,48 @@ def test_thresholds_bite_per_layer(comfy_root, quant):
     assert plan_of(out3)._modules == {}
 
 
+def test_speed_gate_keeps_int8_only_where_it_is_faster(comfy_root, quant, monkeypatch):
+    """A layer whose INT8 call is made slow stays float, one whose float call is made slow runs INT8, and the report
+    shows the timings the decisions came from."""
+    import time
+
+    from comfyui_int8_accel.nodes.int8.plan import Int8Plan
+
+    monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "1")
+    model = build_tiny_model("sd15")
+    dm = model.model.diffusion_model
+    slow_int8, slow_float = dm.input_blocks[0][0], dm.out[2]  # layers with a call signature of their own
+    quantize_layer = Int8Plan._quantize_layer
+
+    def slowed(module, kind):
+        layer = quantize_layer(module, kind)
+        if module is slow_int8:
+            forward = layer.forward
+            layer.forward = lambda x: (time.sleep(0.1), forward(x))[1]
+        return layer
+
+    float_forward = slow_float.forward
+    monkeypatch.setattr(slow_float, "forward", lambda x: (time.sleep(0.1), float_forward(x))[1])
+    monkeypatch.setattr(Int8Plan, "_quantize_layer", staticmethod(slowed))
+    out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    sample(out, "sd15", steps=2)
+    plan = plan_of(out)
+    rows = {layer.name: layer for layer in plan.last_result.layers}
+    assert rows["input_blocks.0.0"].decision == "float: slower in INT8"
+    assert rows["input_blocks.0.0"].int8_ms >= 100 and rows["out.2"].float_ms >= 100
+    assert rows["out.2"].decision == "int8"
+    assert all(layer.float_ms is not None for layer in rows.values() if layer.error is not None)
+    assert "input_blocks.0.0" not in plan._modules and "out.2" in plan._modules
+    report_rows = [line for line in plan.last_report.splitlines() if line.startswith(("input_blocks.0.0 ", "out.2 "))]
+    assert len(report_rows) == 2 and all(len(line.split()) >= 8 for line in report_rows)
+    assert "speed gate:" in plan.last_report and "stay float as slower in INT8" in plan.last_report
+
+    monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "0")  # off: a decision of its own, no timings
+    off, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    sample(off, "sd15", steps=2)
+    assert all(layer.float_ms is None and layer.decision == "int8" for layer in plan_of(off).last_result.layers)
+
+
 def test_unloading_the_model_drops_its_int8_modules(comfy_root, quant):
     model = build_tiny_model("sd15")
     out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)

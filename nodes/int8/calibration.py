@@ -12,8 +12,9 @@ import torch
 
 from ...kernels import backend_for, content_checksum, weight_bits
 from .settings import QuantizeSettings
+from .speed import speed_gate_enabled
 
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 _SAMPLE_WORDS = 256
 
 
@@ -28,6 +29,8 @@ class LayerMeasurement:
     density: float
     error: float | None
     decision: str = ""
+    float_ms: float | None = None  # the speed gate's timings of this layer's call (None: not timed)
+    int8_ms: float | None = None
 
     @property
     def macs(self) -> int:
@@ -77,6 +80,8 @@ def decide(layer: LayerMeasurement, settings: QuantizeSettings) -> str:
         return "float: density below threshold"
     if layer.error is None or layer.error > settings.threshold_for(layer.kind):
         return "float: error above threshold"
+    if layer.float_ms is not None and layer.int8_ms is not None and layer.int8_ms >= layer.float_ms:
+        return "float: slower in INT8"
     return "int8"
 
 
@@ -121,7 +126,8 @@ def model_fingerprint(patcher, weight_keys: list[str]) -> str:
 
 def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tensor) -> str:
     """Key of a decision: the weights and patches, the settings, the latent's size and dtype, and what runs the
-    INT8 layers (device, backend, weight width): a decision measured on one is not reused on another."""
+    INT8 layers (device, backend, weight width) and whether the speed gate decided: a decision measured on one
+    is not reused on another."""
     text = json.dumps([CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
-                       x.device.type, backend_for(x.device), weight_bits(x.device)])
+                       x.device.type, backend_for(x.device), weight_bits(x.device), speed_gate_enabled()])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

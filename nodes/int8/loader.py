@@ -23,6 +23,7 @@ from ...kernels import weight_qmax
 from ..layers import layer_kind
 from .checkpoint import int8_layer_names, read_int8_layer
 from .modules import Int8Conv2d, Int8Linear, _Int8Layer
+from .plan import int8_module_bytes
 
 log = logging.getLogger("int8_accel.int8")
 _LAYER_KEYS = ("weight", "bias", "weight_scale", "comfy_quant")
@@ -110,6 +111,22 @@ def int8_resident_layers(diffusion_model: torch.nn.Module) -> dict[str, torch.nn
     return {name: m for name, m in diffusion_model.named_modules() if isinstance(m, _Int8Layer)}
 
 
+def resident_memory_line(patcher) -> str:
+    """What the resident INT8 layers save: their bytes against the same layers in the model's float dtype."""
+    diffusion_model = patcher.model.diffusion_model
+    resident = int8_resident_layers(diffusion_model)
+    float_size = torch.empty((), dtype=patcher.model.get_dtype()).element_size()
+    int8_bytes = sum(int8_module_bytes(layer) for layer in resident.values())
+    as_float = sum(layer.weight.numel() * float_size + (0 if layer.bias is None else layer.bias.numel() * float_size)
+                   for layer in resident.values())
+    total = sum(t.numel() * t.element_size() for t in (*diffusion_model.parameters(), *diffusion_model.buffers()))
+    linear = sum(isinstance(layer, Int8Linear) for layer in resident.values())
+    mib = 2**20
+    return (f"memory: diffusion-model weights {total / mib:.1f} MiB; {linear} Linear and {len(resident) - linear} "
+            f"Conv2d layers resident in INT8 take {int8_bytes / mib:.1f} MiB instead of {as_float / mib:.1f} MiB in "
+            f"{str(patcher.model.get_dtype()).removeprefix('torch.')} ({(as_float - int8_bytes) / mib:.1f} MiB saved)")
+
+
 def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dict[str, torch.Tensor]]) -> list[str]:
     """Turn layers the model builds with plain torch classes (not ComfyUI's ops, e.g. SD3's context_embedder)
     whose file entries are INT8 into INT8 layers; they were loaded as float weights holding int8 values.
@@ -190,10 +207,8 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
     if failed:
         raise ValueError(f"{len(failed)} INT8 entries of the file are not Linear/Conv2d layers of this model, so "
                          f"they cannot run in INT8: {sorted(failed)[:5]}")
-    resident = int8_resident_layers(diffusion_model)
     _honour_manual_cast(patcher.model)
-    linear = sum(isinstance(m, Int8Linear) for m in resident.values())
-    log.info("int8-accel: loaded %d Linear and %d Conv2d layers as resident INT8", linear, len(resident) - linear)
+    log.info("int8-accel: %s", resident_memory_line(patcher))
     return patcher
 
 

@@ -6,7 +6,8 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..node_schema import combo_problem, pack_schema
-from .loader import load_int8_diffusion_model
+from ..page import show_on_node
+from .loader import load_int8_diffusion_model, resident_memory_line
 
 FOLDER = "diffusion_models"
 
@@ -26,6 +27,7 @@ class Int8AccelLoadModel(io.ComfyNode):
                                tooltip="A .safetensors file in ComfyUI's diffusion_models folder."),
             ],
             outputs=[io.Model.Output(display_name="model", tooltip="The model with resident INT8 layers.")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -36,4 +38,5 @@ class Int8AccelLoadModel(io.ComfyNode):
     def execute(cls, unet_name: str) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise(FOLDER, unet_name)
         model, _ = load_int8_diffusion_model(path)
+        show_on_node(resident_memory_line(model), getattr(cls.hidden, "unique_id", None))
         return io.NodeOutput(model)

@@ -24,12 +24,14 @@ import comfy.utils
 import torch
 
 from ...kernels import backend_for, compute_density, normalized_mse, record_calls, release_packed_weight
+from ..page import show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_report, load_result, save_result
 from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
 from .modules import Int8Conv2d, Int8Linear, is_quantizable
 from .report import format_report
 from .settings import QuantizeSettings
+from .speed import call_signature, speed_gate_enabled, time_float_and_int8
 
 log = logging.getLogger("int8_accel.int8")
 WRAPPER_KEY = "int8_accel_quantize"
@@ -182,6 +184,7 @@ class Int8Plan:
         candidates = find_candidates(root)
         measurements: dict[str, LayerMeasurement] = {}
         memory = {"kept": 0, "peak": 0}
+        gate, timings = speed_gate_enabled(), {}
         progress = comfy.utils.ProgressBar(len(candidates))
         log.info("int8-accel: calibrating %d layers on the first step (latent %s)", len(candidates),
                  list(args[0].shape))
@@ -207,6 +210,13 @@ class Int8Plan:
                     layer = self._modules.pop(name, None) or self._quantize_layer(module, kind)
                     memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
                     row.error = normalized_mse(layer(x), output)
+                    if gate and decide(row, self.settings) == "int8":
+                        signature = call_signature(kind, module, x)
+                        if signature not in timings:  # module.forward: calling the module would re-enter this hook
+                            timings[signature] = time_float_and_int8(lambda: module.forward(x), lambda: layer(x),
+                                                                     x.device)
+                        row.float_ms = 1e3 * timings[signature].float_seconds
+                        row.int8_ms = 1e3 * timings[signature].int8_seconds
                     if decide(row, self.settings) == "int8":
                         self._modules[name] = layer
                         memory["kept"] += int8_module_bytes(layer)
@@ -226,7 +236,7 @@ class Int8Plan:
         layers = [measurements[name] for name in candidates if name in measurements]
         for layer in layers:
             layer.decision = decide(layer, self.settings)
-        result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers)
+        result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers, backend=backend_for(args[0].device))
         chosen = set(result.chosen)
         self._modules = {name: module for name, module in self._modules.items() if name in chosen}
         if chosen:
@@ -251,22 +261,10 @@ class Int8Plan:
         counter = FlopCounterMode(display=False)
         with swapped_modules(base_model.diffusion_model, replacements), counter, record_calls() as calls:
             swapped_output = executor(*args, **kwargs)
-        result.backend = backend_for(args[0].device)
         result.kernel_calls = {path: sum(n for (_, _, p), n in calls.items() if p == path) for path in ("int8", "float")}
         int8_flops = 2 * sum(layer.macs for layer in result.layers if layer.quantized)
         total = counter.get_total_flops() + int8_flops
         return swapped_output, normalized_mse(swapped_output, reference), (int8_flops / total if total else 0.0)
-
-    def _show_in_page(self, text: str) -> None:
-        """Put the summary on the node in the page (the report output shows the rest on the next run)."""
-        if self.node_id is None:
-            return
-        try:
-            from server import PromptServer
-
-            PromptServer.instance.send_progress_text(text, self.node_id)
-        except Exception as exc:  # noqa: BLE001 - no server (in-process use): the log has it
-            log.debug("int8-accel: no page to show the summary in (%s)", exc)
 
     def _publish(self, result: CalibrationResult, base_model, fingerprint: str, save: bool) -> None:
         root = base_model.diffusion_model
@@ -281,8 +279,8 @@ class Int8Plan:
         if save:
             save_result(result, fingerprint, self.settings, report)
             log.info("int8-accel:\n%s", report)
-            self._show_in_page("\n".join(line for line in report.splitlines()
-                                          if line.startswith(("summary:", "kernels:"))))
+            show_on_node("\n".join(line for line in report.splitlines()
+                                    if line.startswith(("summary:", "speed gate:", "kernels:"))), self.node_id)
         else:
             log.info("int8-accel: calibration cache hit for latent %s: %d layers in INT8", result.shape,
                      len(result.chosen))

@@ -7,14 +7,18 @@ from .settings import QuantizeSettings
 
 
 def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_bytes: dict[str, int]) -> str:
-    header = f"{'layer':<58} {'kind':<6} {'shape':<20} {'density':>9} {'norm. MSE':>10}  decision"
+    header = (f"{'layer':<58} {'kind':<6} {'shape':<20} {'density':>9} {'norm. MSE':>10} {'float ms':>9} "
+              f"{'int8 ms':>9}  decision")
     lines = [f"INT8 calibration on latent {result.shape} ({result.seconds:.1f} s); "
-             f"norm. MSE = mean((y_int8 - y)^2) / mean(y^2) per layer", header]
+             f"norm. MSE = mean((y_int8 - y)^2) / mean(y^2) per layer; float/int8 ms: the speed gate's median "
+             f"times of the layer's call (INT8 is kept only where it is faster)", header]
     for layer in result.layers:
         error = "-" if layer.error is None else f"{layer.error:.2e}"
         shape = "x".join(str(d) for d in layer.weight_shape)
-        lines.append(f"{layer.name:<58} {layer.kind:<6} {shape:<20} {layer.density:>9.1f} {error:>10}  "
-                     f"{layer.decision}")
+        float_ms = "-" if layer.float_ms is None else f"{layer.float_ms:.3f}"
+        int8_ms = "-" if layer.int8_ms is None else f"{layer.int8_ms:.3f}"
+        lines.append(f"{layer.name:<58} {layer.kind:<6} {shape:<20} {layer.density:>9.1f} {error:>10} "
+                     f"{float_ms:>9} {int8_ms:>9}  {layer.decision}")
     chosen = [layer for layer in result.layers if layer.quantized]
     float_bytes = sum(weight_bytes.get(layer.name, 0) for layer in chosen)
     int8_bytes = sum(layer.k * layer.n + 4 * layer.n for layer in chosen)
@@ -27,6 +31,15 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         f"INT8; weights of those layers {float_bytes / 2**20:.1f} MiB float -> {int8_bytes / 2**20:.1f} MiB INT8 "
         f"({(float_bytes - int8_bytes) / 2**20:.1f} MiB smaller; the float originals stay loaded so LoRA and "
         f"float layers keep working); whole-model output norm. MSE {model_error}")
+    timed = [layer for layer in result.layers if layer.int8_ms is not None]
+    if timed:
+        slower = sum(1 for layer in timed if layer.decision == "float: slower in INT8")
+        kept_float = sum(layer.float_ms for layer in timed if layer.quantized)
+        kept_int8 = sum(layer.int8_ms for layer in timed if layer.quantized)
+        speedup = f"{kept_float / kept_int8:.2f}x" if kept_int8 else "-"
+        lines.append(f"speed gate: {len(timed)} layers timed on {result.backend or 'this device'}, {slower} stay "
+                     f"float as slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of "
+                     f"{kept_float:.1f} ms in float ({speedup})")
     if result.memory:
         mib = {name: value / 2**20 for name, value in result.memory.items()}
         lines.append(
