@@ -4,7 +4,9 @@ Debian's chromium is used (scripts/setup_browser.sh installs it and Playwright f
 ever downloaded). Screenshots go to test-artifacts/; UPDATE_DOCS_SCREENSHOT=1 also refreshes the README's
 docs/workflow-screenshot.png. The page loads each UI graph, must know every node type and keep every widget value,
 turns the graph into exactly the shipped API prompt (plus the display-only text box of Preview as Text, which
-no node takes), queues it itself, and the run ends with an image and the INT8 report shown in the page.
+no node takes), queues it itself, and the run ends with an image and the INT8 report shown in the page (for the
+INT8 load workflow, which has no Quantize node: its layers loaded as resident INT8). The save workflow runs
+before the load workflow, which reads the file it wrote, as a user does (refreshing the page's file lists).
 
 These tests never skip silently: when chromium or Playwright is missing and scripts/setup_browser.sh cannot
 install them, or chromium does not start, they fail. INT8_ACCEL_SKIP_BROWSER=1 is the one explicit opt-out
@@ -23,17 +25,22 @@ import time
 
 import pytest
 
-from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoints is a fixture)
+from tests.support.workflows_common import (  # noqa: F401  (int8_save_session, workflow_checkpoints: fixtures)
     ARTIFACTS,
+    INT8_LOAD,
+    INT8_SAVE,
     PENDING,
     REPO_ROOT,
     VIRTUAL_NODE_TYPES,
+    in_run_order,
+    int8_save_session,
     load_api,
     load_ui,
     node_of,
     parse_int8_report,
     release_models_unless_sd15,
     report_preview,
+    resident_int8_logged,
     strip_meta,
     workflow_checkpoints,
     workflow_names,
@@ -159,11 +166,15 @@ def test_page_offers_the_workflows_in_its_templates_browser(page, server):
     _open_app(page, server.url)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, name):
+@pytest.mark.parametrize("name", in_run_order(NAMES))
+def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, int8_save_session, name):  # noqa: F811
     ui = load_ui(name)
+    if name == INT8_LOAD:
+        int8_save_session.ensure()  # the file it loads: written by the save workflow's run just before
     state = page.evaluate(
-        """async ([graph, name]) => {
+        """async ([graph, name, refresh]) => {
+            // After a save, the page's file lists are refreshed (the R key) to offer the new file.
+            if (refresh) await window.app.refreshComboInNodes();
             await window.app.loadGraphData(graph, true, true, name);
             await new Promise(r => setTimeout(r, 500));
             const nodes = window.app.graph.nodes.map(n => ({
@@ -177,7 +188,7 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, name)
             const dialogs = [...document.querySelectorAll('[role=dialog]')].map(d => d.innerText);
             const prompt = await window.app.graphToPrompt();
             return {nodes, dialogs, prompt: prompt.output};
-        }""", [ui, name])
+        }""", [ui, name, name == INT8_LOAD])
 
     missing = [n["type"] for n in state["nodes"] if not n["registered"] or n["has_errors"]]
     assert missing == [], f"{name}: node types the page does not know: {missing}"
@@ -197,6 +208,9 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, name)
     assert not any(n["class_type"] in VIRTUAL_NODE_TYPES for n in state["prompt"].values())
 
     # Queue it the way the Queue button does, and read the prompt id off the page's own POST /prompt.
+    if name == INT8_SAVE:
+        int8_save_session.prepare()  # so that it writes the file the load workflow names, as on a fresh ComfyUI
+    log_from = server.log_path.stat().st_size
     page.progress_texts.clear()
     with page.expect_response(lambda r: r.url.endswith("/api/prompt") and r.request.method == "POST") as posted:
         page.evaluate("() => window.app.queuePrompt(0, 1)")
@@ -214,24 +228,14 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, name)
     page.wait_for_function(
         "(ids) => ids.every(id => { const n = window.app.graph.getNodeById(Number(id));"
         " return n && n.imgs && n.imgs.length > 0 && n.imgs[0].complete; })", arg=save_ids, timeout=60_000)
-    # The INT8 report is shown in the page by Preview as Text, as the run left it in /history: a table with
-    # layers in INT8, or 'calibration pending' when this run calibrated, whose summary then reached the
-    # Quantize node as progress text.
+    if name == INT8_SAVE:
+        int8_save_session.record(result["history"], log_from)
     api = load_api(name)
-    preview_id, quant_id = report_preview(api), node_of(api, "Int8AccelQuantize")
-    report = result["history"]["outputs"][preview_id]["text"][0]
-    shown = page.wait_for_function(
-        "(id) => { const n = window.app.graph.getNodeById(Number(id));"
-        " const w = n && (n.widgets || []).find(w => w.name === 'preview'); return w && w.value ? w.value : null; }",
-        arg=preview_id, timeout=60_000).json_value()
-    assert shown == report, f"{name}: the page shows {shown[:300]!r}, the run returned {report[:300]!r}"
-    if report.startswith(PENDING):
-        summaries = [text for node, text in page.progress_texts if node == quant_id and "layers in INT8" in text]
-        assert summaries, f"{name}: calibration ran, but no summary reached the Quantize node: {page.progress_texts}"
-        assert int(summaries[-1].split("summary: ")[1].split("/")[0]) > 0, summaries[-1]
+    if name == INT8_LOAD:
+        resident = resident_int8_logged(server, log_from)
+        assert len(resident) == 1 and sum(resident[0]) > 0, f"{name}: no layer loaded as resident INT8: {resident}"
     else:
-        summary = parse_int8_report(report)
-        assert summary is not None and summary.int8 > 0, f"{name}: {report[-2000:]}"
+        _assert_report_shown(page, name, api, result["history"])
     assert page.page_errors == [], page.page_errors
     print(f"{name}: ran from the page in {time.time() - start:.1f} s")
     release_models_unless_sd15(server, name)
@@ -246,3 +250,23 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, name)
     if name == SCREENSHOT_WORKFLOW and (os.environ.get("UPDATE_DOCS_SCREENSHOT") == "1" or not readme_shot.exists()):
         readme_shot.parent.mkdir(exist_ok=True)
         shutil.copyfile(shot, readme_shot)
+
+
+def _assert_report_shown(page, name: str, api: dict, history: dict) -> None:
+    """The INT8 report is shown in the page by Preview as Text, as the run left it in /history: a table with
+    layers in INT8, or 'calibration pending' when this run calibrated, whose summary then reached the
+    Quantize node as progress text."""
+    preview_id, quant_id = report_preview(api), node_of(api, "Int8AccelQuantize")
+    report = history["outputs"][preview_id]["text"][0]
+    shown = page.wait_for_function(
+        "(id) => { const n = window.app.graph.getNodeById(Number(id));"
+        " const w = n && (n.widgets || []).find(w => w.name === 'preview'); return w && w.value ? w.value : null; }",
+        arg=preview_id, timeout=60_000).json_value()
+    assert shown == report, f"{name}: the page shows {shown[:300]!r}, the run returned {report[:300]!r}"
+    if report.startswith(PENDING):
+        summaries = [text for node, text in page.progress_texts if node == quant_id and "layers in INT8" in text]
+        assert summaries, f"{name}: calibration ran, but no summary reached the Quantize node: {page.progress_texts}"
+        assert int(summaries[-1].split("summary: ")[1].split("/")[0]) > 0, summaries[-1]
+    else:
+        summary = parse_int8_report(report)
+        assert summary is not None and summary.int8 > 0, f"{name}: {report[-2000:]}"

@@ -370,10 +370,14 @@ def test_weights_stored_in_a_dtype_the_device_does_not_compute_in_are_cast(pack,
 def test_save_node_declares_its_inputs(pack):
     node = pack.NODE_CLASS_MAPPINGS["Int8AccelSaveModel"]
     assert pack.NODE_DISPLAY_NAME_MAPPINGS["Int8AccelSaveModel"] == "Save INT8 Model"
-    spec = node.INPUT_TYPES()["required"]
-    assert list(spec) == ["model", "filename_prefix", "bake_lora"]
-    assert spec["filename_prefix"][1]["default"] == "int8/diffusion_model"
-    assert spec["bake_lora"][0] == "BOOLEAN" and spec["bake_lora"][1]["default"] is False
+    spec = node.INPUT_TYPES()
+    required, optional = spec["required"], spec["optional"]
+    assert list(required) == ["model", "filename_prefix", "bake_lora"]
+    assert required["filename_prefix"][1]["default"] == "int8/diffusion_model"
+    assert required["bake_lora"][0] == "BOOLEAN" and required["bake_lora"][1]["default"] is False
+    # a sampler's LATENT output, only to make ComfyUI run the save after that sampler (it runs output nodes first)
+    assert list(optional) == ["after_sampling"] and optional["after_sampling"][0] == "LATENT"
+    assert "after that sampler" in optional["after_sampling"][1]["tooltip"]
     assert node.GET_SCHEMA().is_output_node is True
 
 
@@ -385,8 +389,14 @@ def test_save_needs_a_quantized_calibrated_model(pack, models_dir):
         save_int8_model(model)
     quantized, _ = apply_int8(model, settings_from_widgets(**ALL_INT8))
     with pytest.raises(ValueError, match=r"run a sampler with this model first \(calibration happens on the first "
-                                         r"sampling step\), then queue Save INT8 Model"):
+                                         r"sampling step\)\. In the same workflow, connect that sampler's LATENT "
+                                         r"output to after_sampling"):
         save_int8_model(quantized)
+    # wired after a sampler that sampled another model: the message says which link is wrong
+    save_node = pack.NODE_CLASS_MAPPINGS["Int8AccelSaveModel"]
+    with pytest.raises(ValueError, match="the sampler connected to after_sampling did not sample with this model"):
+        save_node.execute(model=quantized, filename_prefix="int8/tiny", bake_lora=False,
+                          after_sampling={"samples": torch.zeros(1, 4, 8, 8)})
     assert not list(models_dir.rglob("*.safetensors"))
 
 
@@ -409,7 +419,7 @@ def test_save_then_load_round_trip_with_and_without_lora(pack, models_dir, monke
     chosen = plan.last_result.chosen
 
     pack.NODE_CLASS_MAPPINGS["Int8AccelSaveModel"].execute(model=quantized, filename_prefix="int8/tiny",
-                                                          bake_lora=False)
+                                                          bake_lora=False, after_sampling={"samples": on_the_fly})
     (plain_path,) = models_dir.glob("int8/tiny_*.safetensors")
     baked_path = save_int8_model(quantized, "int8/tiny_baked", bake_lora=True)
 

@@ -1,27 +1,37 @@
 """The shipped workflows: both forms agree, every API prompt runs on the real server with layers really in
 INT8 (its report, shown by Preview as Text, says how many) and an image that differs from the float run's,
-and the page lists them."""
+the INT8 file the save workflow writes loads in the load workflow and gives the save run's image, and the
+page lists them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
 import time
 
+import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoints is a fixture)
+from tests.support.workflows_common import (  # noqa: F401  (the int8_* and workflow_checkpoints fixtures)
     ARTIFACTS,
+    INT8_LOAD,
+    INT8_SAVE,
     REPO_ROOT,
     VIRTUAL_NODE_TYPES,
     WORKFLOWS,
+    int8_file,
+    int8_file_name,
     int8_report,
+    int8_save_session,
     load_api,
     load_ui,
+    node_of,
     release_models_unless_sd15,
     report_preview,
+    resident_int8_logged,
     strip_meta,
     ui_graph_to_api,
     widget_problems,
@@ -31,11 +41,14 @@ from tests.support.workflows_common import (  # noqa: F401  (workflow_checkpoint
 )
 
 NAMES = workflow_names()
-PACK_NODES = {"Int8AccelQuantize", "Int8AccelDeepCache", "Int8AccelCompile"}
+# Workflows that quantize on the fly and nothing else; the save/load pair is run as a pair below.
+ON_THE_FLY = [name for name in NAMES if name not in (INT8_SAVE, INT8_LOAD)]
+PACK_NODES = {"Int8AccelQuantize", "Int8AccelDeepCache", "Int8AccelCompile", "Int8AccelSaveModel",
+              "Int8AccelLoadModel"}
 
 
 def test_each_ui_workflow_has_an_api_twin_a_note_and_the_page_format():
-    assert len(NAMES) == 5, NAMES
+    assert len(NAMES) == 7 and {INT8_SAVE, INT8_LOAD} < set(NAMES), NAMES
     assert sorted(p.stem for p in (WORKFLOWS / "api").glob("*.json")) == NAMES
     used = set()
     for name in NAMES:
@@ -58,10 +71,14 @@ def test_each_ui_workflow_has_an_api_twin_a_note_and_the_page_format():
 def test_every_quantize_node_shows_its_report_and_quantizes_at_the_workflow_size():
     """A person sees the report in the page (Preview as Text on the report output, in both forms), and the
     settings are ones under which layers reach INT8 at the workflow's size: the node's default density
-    threshold (300) admits almost no layer at CPU-sized images, so no shipped workflow may use it."""
+    threshold (300) admits almost no layer at CPU-sized images, so no shipped workflow may use it. The load
+    workflow is the one without: its INT8 layers come from the file."""
     for name in NAMES:
         api, ui = load_api(name), load_ui(name)
         quants = [k for k, v in api.items() if v["class_type"] == "Int8AccelQuantize"]
+        if name == INT8_LOAD:
+            assert quants == [] and node_of(api, "Int8AccelLoadModel"), name
+            continue
         assert len(quants) == 1, name
         preview = report_preview(api)
         ui_links = {link[0]: link for link in ui["links"]}
@@ -76,6 +93,65 @@ def test_every_quantize_node_shows_its_report_and_quantizes_at_the_workflow_size
         assert f"compute_density_threshold {settings['compute_density_threshold']}" in note, (
             f"{name}: the Note must say why these settings")
         assert "layers in INT8" in note and "Preview as Text" in note, name
+
+
+def test_save_workflow_writes_the_file_the_load_workflow_reads_with_the_same_sampling():
+    save, load = load_api(INT8_SAVE), load_api(INT8_LOAD)
+    saver = save[node_of(save, "Int8AccelSaveModel")]["inputs"]
+    sampler = node_of(save, "KSampler")
+    assert saver["model"] == [node_of(save, "Int8AccelQuantize"), 0]
+    assert saver["after_sampling"] == [sampler, 0]  # saved after the sampler that calibrates
+    assert int8_file_name() == f"{saver['filename_prefix']}_00001_.safetensors"  # a fresh ComfyUI's first file
+    assert load[node_of(load, "KSampler")]["inputs"]["model"] == [node_of(load, "Int8AccelLoadModel"), 0]
+
+    def sampling(prompt: dict) -> list:
+        """What the picture depends on besides the model: sampler settings, prompts, latent, checkpoint."""
+        inputs = prompt[node_of(prompt, "KSampler")]["inputs"]
+        settings = {k: v for k, v in inputs.items() if not isinstance(v, list)}
+        texts = sorted(v["inputs"]["text"] for v in prompt.values() if v["class_type"] == "CLIPTextEncode")
+        latent = prompt[node_of(prompt, "EmptyLatentImage")]["inputs"]
+        return [settings, texts, latent, prompt[node_of(prompt, "CheckpointLoaderSimple")]["inputs"]]
+
+    assert sampling(load) == sampling(save)
+    note = next(n for n in load_ui(INT8_LOAD)["nodes"] if n["type"] == "Note")["widgets_values"][0]
+    assert INT8_SAVE in note and int8_file_name() in note, "the load workflow's Note says where its file comes from"
+
+
+def test_comfyui_runs_the_save_after_the_sampler_only_when_after_sampling_is_linked(pack, monkeypatch):
+    """ComfyUI 0.3.75 runs a ready output node first: without the link Save INT8 Model would run before the
+    KSampler, which is what calibrates. ComfyUI's own scheduler (ExecutionList) over the shipped prompt."""
+    from comfy_execution.graph import DynamicPrompt, ExecutionList
+    from comfy_extras.nodes_preview_any import PreviewAny
+
+    import nodes
+
+    monkeypatch.setattr(nodes, "NODE_CLASS_MAPPINGS",
+                        {**nodes.NODE_CLASS_MAPPINGS, **pack.NODE_CLASS_MAPPINGS, "PreviewAny": PreviewAny})
+
+    class NothingCached:
+        def get(self, node_id):
+            return None
+
+    async def execution_order(prompt: dict) -> list[str]:
+        execution = ExecutionList(DynamicPrompt(prompt), NothingCached())
+        for node_id, node in prompt.items():
+            if getattr(nodes.NODE_CLASS_MAPPINGS[node["class_type"]], "OUTPUT_NODE", False):
+                execution.add_node(node_id)
+        order = []
+        while not execution.is_empty():
+            node_id, error, _ = await execution.stage_node_execution()
+            assert error is None, error
+            order.append(prompt[node_id]["class_type"])
+            execution.complete_node_execution()
+        return order
+
+    shipped = strip_meta(load_api(INT8_SAVE))
+    order = asyncio.run(execution_order(shipped))
+    assert order.index("KSampler") < order.index("Int8AccelSaveModel"), order
+    unlinked = strip_meta(load_api(INT8_SAVE))
+    del unlinked[node_of(unlinked, "Int8AccelSaveModel")]["inputs"]["after_sampling"]
+    order = asyncio.run(execution_order(unlinked))
+    assert order.index("Int8AccelSaveModel") < order.index("KSampler"), order
 
 
 @pytest.mark.server
@@ -96,7 +172,7 @@ def test_api_workflows_name_checkpoints_the_model_factories_make():
 
 
 @pytest.mark.server
-@pytest.mark.usefixtures("workflow_checkpoints")
+@pytest.mark.usefixtures("workflow_checkpoints", "int8_file")  # the load workflow's file is one of its combo's options
 def test_ui_and_api_forms_agree(server):
     info = server.object_info()
     for name in NAMES:
@@ -105,6 +181,22 @@ def test_ui_and_api_forms_agree(server):
         assert strip_meta(api) == from_ui, f"{name}: UI graph and API prompt differ"
         assert len(from_ui) == sum(n["type"] not in VIRTUAL_NODE_TYPES for n in ui["nodes"])
         assert widget_problems(api, info) == [], name
+
+
+FLOAT_IMAGES: dict[str, list] = {}  # this session's float runs, by prompt (the names images are saved under aside)
+
+
+def _float_images(server, prompt: dict) -> list:
+    """Images of the float run of `prompt` (`without_quantize`), run once per session for prompts that sample
+    alike (sd15_int8_txt2img and sd15_int8_save differ only in what they save)."""
+    baseline = without_quantize(prompt)
+    key = json.dumps({node_id: {**node, "inputs": {k: v for k, v in node["inputs"].items() if k != "filename_prefix"}}
+                      for node_id, node in strip_meta(baseline).items()}, sort_keys=True)
+    if key not in FLOAT_IMAGES or not all(path.is_file() for path in FLOAT_IMAGES[key]):
+        history = server.run(baseline, timeout=600)["history"]
+        assert history["status"]["status_str"] == "success", history["status"]
+        FLOAT_IMAGES[key] = server.output_images(history)
+    return FLOAT_IMAGES[key]
 
 
 def _queue_with_curl_as_the_readme_does(server, name: str) -> str:
@@ -119,7 +211,7 @@ def _queue_with_curl_as_the_readme_does(server, name: str) -> str:
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ON_THE_FLY)
 @pytest.mark.usefixtures("workflow_checkpoints")
 def test_shipped_api_workflow_runs_to_an_image(server, name):
     prompt = load_api(name)
@@ -155,15 +247,54 @@ def test_shipped_api_workflow_runs_to_an_image(server, name):
     summary = int8_report(server, prompt, history, log_from=log_from)
     print(f"{name}: {seconds:.1f} s; {summary}")
     assert summary.int8 > 0, f"{name}: no layer in INT8 at this size:\n{summary.text[-3000:]}"
-    baseline = server.run(without_quantize(prompt), timeout=600)
-    assert baseline["history"]["status"]["status_str"] == "success", baseline["history"]["status"]
-    float_images = server.output_images(baseline["history"])
+    float_images = _float_images(server, prompt)
     assert len(float_images) == len(images)
     for int8_path, float_path in zip(sorted(images), sorted(float_images), strict=True):
         with Image.open(int8_path) as a, Image.open(float_path) as b:
             assert a.size == b.size
             assert a.tobytes() != b.tobytes(), f"{name}: the image equals the float run's: INT8 changed nothing"
     release_models_unless_sd15(server, name)
+
+
+def _pixels(path) -> np.ndarray:
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+@pytest.mark.server
+def test_int8_file_workflows_save_then_load_the_same_image(server, int8_file):  # noqa: F811 (a fixture)
+    """The save workflow (its run of this session: `int8_file`) wrote the INT8 file with the layers its report
+    chose; the load workflow, queued as the README does, loads them as resident INT8 and, with the same seed and
+    the same kernels, gives the save run's picture, unlike the float model's."""
+    from safetensors import safe_open
+
+    save = load_api(INT8_SAVE)
+    summary = int8_report(server, save, int8_file.history, log_from=int8_file.log_from)
+    assert summary.int8 > 0, summary.text[-3000:]
+    with safe_open(str(int8_file.path), "pt") as stored:
+        int8_layers = [key for key in stored.keys() if key.endswith(".comfy_quant")]
+    assert len(int8_layers) == summary.int8, "the file holds the layers the calibration chose, in INT8"
+    (saved_image,) = server.output_images(int8_file.history)
+
+    start = time.time()
+    log_from = server.log_path.stat().st_size
+    loaded = server.wait(_queue_with_curl_as_the_readme_does(server, INT8_LOAD), timeout=600)["history"]
+    seconds = time.time() - start
+    assert loaded["status"]["status_str"] == "success", f"{json.dumps(loaded['status'])[:3000]}\n{server.log_tail()}"
+    assert resident_int8_logged(server, log_from) == [(summary.linear[0], summary.conv[0])], server.log_tail()
+    (loaded_image,) = server.output_images(loaded)
+
+    (float_image,) = _float_images(server, save)
+    ARTIFACTS.mkdir(exist_ok=True)
+    for name, path in ((INT8_SAVE, saved_image), (INT8_LOAD, loaded_image)):
+        shutil.copyfile(path, ARTIFACTS / f"api_{name}.png")
+    a, b, f = _pixels(loaded_image), _pixels(saved_image), _pixels(float_image)
+    assert a.shape == b.shape == f.shape == (128, 128, 3)
+    to_saved, to_float = np.abs(a - b).mean(), np.abs(a - f).mean()
+    print(f"{INT8_LOAD}: {seconds:.1f} s; {summary}; mean |loaded - saved run| {to_saved:.3f}, "
+          f"|loaded - float| {to_float:.3f} (of 255)")
+    assert to_float > 0.5, "the loaded model gives the float model's picture: its INT8 layers changed nothing"
+    assert to_saved <= 0.01 * to_float, "the loaded INT8 model does not give the picture of the run that saved it"
 
 
 @pytest.mark.server

@@ -38,6 +38,8 @@ SOCKETS: dict[str, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {
     "Int8AccelQuantize": ([("model", "MODEL")], [("MODEL", "MODEL"), ("STRING", "STRING")]),
     "Int8AccelDeepCache": ([("model", "MODEL")], [("MODEL", "MODEL")]),
     "Int8AccelCompile": ([("model", "MODEL")], [("MODEL", "MODEL")]),
+    "Int8AccelSaveModel": ([("model", "MODEL"), ("after_sampling", "LATENT")], []),
+    "Int8AccelLoadModel": ([], [("MODEL", "MODEL")]),
     "PreviewAny": ([("source", "*")], []),  # ComfyUI's "Preview as Text": shows the INT8 report in the page
     "Note": ([], []),
 }
@@ -55,6 +57,8 @@ WIDGETS: dict[str, list[str]] = {
                           "compute_density_threshold"],
     "Int8AccelDeepCache": ["cache_interval", "cache_depth", "start_percent", "end_percent"],
     "Int8AccelCompile": ["backend", "mode", "dynamic", "fullgraph"],
+    "Int8AccelSaveModel": ["filename_prefix", "bake_lora"],
+    "Int8AccelLoadModel": ["unet_name"],
     "PreviewAny": [],  # its text box is filled by the run and not saved
     "Note": ["text"],
 }
@@ -158,9 +162,10 @@ class Workflow:
 
 def _text_to_image(wf: Workflow, ckpt: str, model_chain, width: int, height: int, steps: int, cfg: float,
                    prefix: str, sd3: bool = False, seed: int = 42, sampler: str = "euler",
-                   scheduler: str = "normal", x0: int = 0) -> None:
-    """Loader -> (model_chain) -> KSampler -> VAEDecode -> SaveImage, with the two prompts and a latent."""
-    loader = wf.add("CheckpointLoaderSimple", (x0, 250), (315, 98), ckpt_name=ckpt)
+                   scheduler: str = "normal", x0: int = 0, loader_title: str | None = None) -> Node:
+    """Loader -> (model_chain) -> KSampler -> VAEDecode -> SaveImage, with the two prompts and a latent.
+    Returns the KSampler."""
+    loader = wf.add("CheckpointLoaderSimple", (x0, 250), (315, 98), loader_title, ckpt_name=ckpt)
     model = model_chain(loader)
     pos = wf.add("CLIPTextEncode", (x0 + 380, 250), (400, 160), "Positive prompt", text=POSITIVE, clip=(loader, 1))
     neg = wf.add("CLIPTextEncode", (x0 + 380, 450), (400, 120), "Negative prompt", text=NEGATIVE, clip=(loader, 1))
@@ -171,6 +176,7 @@ def _text_to_image(wf: Workflow, ckpt: str, model_chain, width: int, height: int
                           negative=(neg, 0), latent_image=(latent, 0))
     decode = wf.add("VAEDecode", (x0 + 1200, 250), (210, 46), samples=(sampler_node, 0), vae=(loader, 2))
     wf.add("SaveImage", (x0 + 1200, 340), (300, 330), filename_prefix=prefix, images=(decode, 0))
+    return sampler_node
 
 
 # The Quantize node's settings in every shipped workflow. The MSE thresholds are the node's defaults. The
@@ -340,7 +346,74 @@ def sd15_compare() -> Workflow:
     return wf
 
 
-WORKFLOWS = [sd15_int8, sdxl_int8_deepcache, sd3_int8_blockcache, sd15_full_stack_compile, sd15_compare]
+# The INT8 file sd15_int8_save writes (Save INT8 Model numbers its files from 00001 on, like Save Image) and
+# sd15_int8_load reads.
+INT8_FILE_PREFIX = "int8/sd15_int8"
+INT8_FILE = f"{INT8_FILE_PREFIX}_00001_.safetensors"
+WHEN_TO_SAVE = (
+    "Quantize on the fly (the Quantize node) while you try settings, LoRAs or models: nothing is written and a "
+    "change only costs one calibration step. Save once and load when you use the same model again: the loaded "
+    "file needs no calibration and its INT8 layers replace the float weights in memory (about a quarter of the "
+    "fp32 size), while the Quantize node keeps the float weights and adds its INT8 copies.")
+
+
+def sd15_int8_save() -> Workflow:
+    wf = Workflow("sd15_int8_save", "SD1.5 INT8: quantize, sample, save the INT8 model")
+    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
+        "Quantize Model (INT8) on SD1.5, one picture, and Save INT8 Model writing the quantized diffusion model "
+        "to a file that the sd15_int8_load workflow loads later.\n\n"
+        "The Quantize node chooses its INT8 layers on the first sampling step (calibration), so the save must "
+        "run after the KSampler: the KSampler's LATENT output goes into Save INT8 Model's after_sampling input, "
+        "which only orders the run (ComfyUI otherwise runs output nodes such as the save first, before anything "
+        "is calibrated, and the save then stops with 'run a sampler with this model first').\n\n"
+        f"The file goes to ComfyUI's diffusion-model folder (models/unet/ in a default install): {INT8_FILE} on "
+        "the first run, a higher number each time the save runs again. It does whenever the sampler re-runs, "
+        "which includes the second queue after a new calibration (the Quantize node then refreshes its report): "
+        "bypass the save node (Ctrl+B) once you have the file. It holds the chosen layers as int8 weight + "
+        "weight_scale + comfy_quant (ComfyUI's INT8 format), the other layers as they are, and the settings and "
+        "report in its metadata. bake_lora off writes the weights without the model's LoRA.\n\n"
+        + WHEN_TO_SAVE + "\n\n"
+        f"Checkpoint: {SD15} is the random-weight test model; pick your own SD1.5 checkpoint."
+        + _settings_note("sd15", SIZE)))
+    made = {}
+
+    def chain(loader: Node):
+        made["quant"] = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_SETTINGS)
+        return (made["quant"], 0)
+
+    sampler = _text_to_image(wf, SD15, chain, SIZE, SIZE, 4, 7.0, "int8accel/sd15_int8_save")
+    wf.add("Int8AccelSaveModel", (840, 560), (315, 130), filename_prefix=INT8_FILE_PREFIX, bake_lora=False,
+           model=(made["quant"], 0), after_sampling=(sampler, 0))
+    _report(wf, made["quant"], (380, 760))
+    return wf
+
+
+def sd15_int8_load() -> Workflow:
+    wf = Workflow("sd15_int8_load", "SD1.5 INT8: load a saved INT8 model and sample")
+    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
+        "Load Diffusion Model (INT8) reads an INT8 file and samples with it: no Quantize node, no calibration. "
+        "The layers stored in INT8 stay int8 in memory and run on the same INT8 kernels as the Quantize node, so "
+        "with the same seed this gives the picture of the sd15_int8_save run that wrote the file.\n\n"
+        f"Run the sd15_int8_save workflow first: on a fresh ComfyUI it writes {INT8_FILE}, the file selected "
+        "here (press R, Refresh node definitions, if the list does not show it yet). Or pick your own INT8 file: "
+        "one written by Save INT8 Model, or an INT8 file made for ComfyUI core (int8_tensorwise). LoRA works on "
+        "the loaded model as usual (LoraLoaderModelOnly after the loader).\n\n"
+        + WHEN_TO_SAVE + "\n\n"
+        f"Load Checkpoint ({SD15}, the random-weight test model) only supplies CLIP and VAE here, because the "
+        "test checkpoint bundles them; it also loads that checkpoint's float UNet into RAM, unused. With your "
+        "own files, Load CLIP and Load VAE avoid that. Same prompts, seed, size (128x128) and 4 steps as the "
+        "save workflow."))
+
+    def chain(loader: Node):
+        return (wf.add("Int8AccelLoadModel", (0, 400), (315, 82), unet_name=INT8_FILE), 0)
+
+    _text_to_image(wf, SD15, chain, SIZE, SIZE, 4, 7.0, "int8accel/sd15_int8_load",
+                   loader_title="Load Checkpoint (CLIP and VAE)")
+    return wf
+
+
+WORKFLOWS = [sd15_int8, sdxl_int8_deepcache, sd3_int8_blockcache, sd15_full_stack_compile, sd15_compare,
+             sd15_int8_save, sd15_int8_load]
 
 
 def build_all() -> dict[str, tuple[dict, dict]]:

@@ -24,7 +24,11 @@ from .plan import Int8Plan, find_candidates, unwrap_compiled
 log = logging.getLogger("int8_accel.int8")
 NOT_QUANTIZED = "this model did not go through Quantize Model (INT8): connect the Quantize node's model output"
 NOT_CALIBRATED = ("the INT8 layers are not chosen yet: run a sampler with this model first (calibration happens on "
-                  "the first sampling step), then queue Save INT8 Model")
+                  "the first sampling step). In the same workflow, connect that sampler's LATENT output to "
+                  "after_sampling, so that ComfyUI runs the save after the sampler")
+SAMPLED_ANOTHER_MODEL = ("the sampler connected to after_sampling did not sample with this model, so no INT8 layers "
+                         "are chosen yet: feed that sampler the same MODEL as Save INT8 Model (the Quantize node's "
+                         "model output)")
 
 
 def _calibration_result(plan: Int8Plan):
@@ -44,14 +48,16 @@ def _weights_patcher(model, bake_lora: bool):
     return patcher
 
 
-def int8_checkpoint(model, bake_lora: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(state dict, safetensors metadata) of `model`'s diffusion model with its chosen layers in INT8."""
+def int8_checkpoint(model, bake_lora: bool = False,
+                    after_sampling: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state dict, safetensors metadata) of `model`'s diffusion model with its chosen layers in INT8.
+    `after_sampling`: a sampler's output was wired in to run this after it (only changes the error message)."""
     plan = int8_plan(model)
     if plan is None:
         raise ValueError(NOT_QUANTIZED)
     result = _calibration_result(plan)
     if result is None:
-        raise ValueError(NOT_CALIBRATED)
+        raise ValueError(SAMPLED_ANOTHER_MODEL if after_sampling else NOT_CALIBRATED)
     patcher = _weights_patcher(model, bake_lora)
     root = unwrap_compiled(patcher.model.diffusion_model)
     candidates = find_candidates(root)
@@ -72,12 +78,12 @@ def int8_checkpoint(model, bake_lora: bool = False) -> tuple[dict[str, torch.Ten
 
 
 def save_int8_model(model, filename_prefix: str = "int8/diffusion_model", bake_lora: bool = False,
-                    output_dir: str | None = None) -> str:
+                    output_dir: str | None = None, after_sampling: bool = False) -> str:
     """Write `model` (a MODEL from Quantize Model (INT8), calibrated) as one .safetensors in ComfyUI's first
-    diffusion_models folder (or `output_dir`) and return its path."""
+    diffusion_models folder (or `output_dir`) and return its path. `after_sampling` as for `int8_checkpoint`."""
     import folder_paths
 
-    sd, metadata = int8_checkpoint(model, bake_lora)
+    sd, metadata = int8_checkpoint(model, bake_lora, after_sampling)
     output_dir = output_dir or folder_paths.get_folder_paths("diffusion_models")[0]
     folder, filename, counter, _, _ = folder_paths.get_save_image_path(filename_prefix, output_dir)
     os.makedirs(folder, exist_ok=True)

@@ -18,7 +18,8 @@ class Int8AccelSaveModel(io.ComfyNode):
                 "in ComfyUI's INT8 format, in the diffusion_models folder: the layers calibration chose are "
                 "written as int8 weight + weight_scale + comfy_quant, the rest as it is, with the settings and "
                 "the calibration report in the file's metadata. Load it with Load Diffusion Model (INT8). "
-                "Calibration happens on the first sampling step, so run a sampler with the model first."),
+                "Calibration happens on the first sampling step, so the save must run after a sampler used the "
+                "model: in the same workflow, connect the sampler's LATENT output to after_sampling."),
             inputs=[
                 io.Model.Input("model", tooltip="The MODEL output of Quantize Model (INT8), after one sampling run."),
                 io.String.Input("filename_prefix", default="int8/diffusion_model",
@@ -26,12 +27,16 @@ class Int8AccelSaveModel(io.ComfyNode):
                 io.Boolean.Input("bake_lora", default=False, tooltip=(
                     "Write the weights with the model's LoRA and other weight patches applied. Off: the original "
                     "weights, so a LoRA can still be added after loading.")),
+                io.Latent.Input("after_sampling", optional=True, tooltip=(
+                    "Connect the LATENT output of a sampler that uses this model. The latent is not used: the "
+                    "link makes ComfyUI run the save after that sampler, whose first step chooses the INT8 "
+                    "layers. Without it ComfyUI may run the save first (output nodes go first).")),
             ],
             outputs=[],
             is_output_node=True,
         )
 
     @classmethod
-    def execute(cls, model, filename_prefix: str, bake_lora: bool) -> io.NodeOutput:
-        save_int8_model(model, filename_prefix, bake_lora)
+    def execute(cls, model, filename_prefix: str, bake_lora: bool, after_sampling: dict | None = None) -> io.NodeOutput:
+        save_int8_model(model, filename_prefix, bake_lora, after_sampling=after_sampling is not None)
         return io.NodeOutput()

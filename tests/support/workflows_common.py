@@ -1,6 +1,7 @@
 """Shared by the workflow, browser, API-error and server tests: the shipped workflow files, the extra
 checkpoints they name, an independent reading of a UI graph into an API prompt using the server's
-/object_info, and the INT8 report as the page shows it (the Quantize node's report in Preview as Text)."""
+/object_info, the INT8 report as the page shows it (the Quantize node's report in Preview as Text), and the
+INT8 file the save workflow writes for the load workflow."""
 
 from __future__ import annotations
 
@@ -21,8 +22,20 @@ VIRTUAL_NODE_TYPES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 
 
+# The pair of workflows around an INT8 file: the first writes the file the second loads.
+INT8_SAVE, INT8_LOAD = "sd15_int8_save", "sd15_int8_load"
+
+
 def workflow_names() -> list[str]:
     return sorted(p.stem for p in WORKFLOWS.glob("*.json"))
+
+
+def in_run_order(names: list[str]) -> list[str]:
+    """`names` with the INT8 load workflow moved right after the save workflow that writes its file."""
+    ordered = [name for name in names if name != INT8_LOAD]
+    if INT8_LOAD in names:
+        ordered.insert(ordered.index(INT8_SAVE) + 1 if INT8_SAVE in ordered else len(ordered), INT8_LOAD)
+    return ordered
 
 
 def load_ui(name: str) -> dict:
@@ -39,6 +52,89 @@ def workflow_checkpoints(comfy_root, sd15_checkpoint) -> list[str]:
     from scripts.make_more_checkpoints import ensure_sd3_checkpoint, ensure_sdxl_vega_checkpoint
 
     return [sd15_checkpoint, ensure_sdxl_vega_checkpoint(comfy_root).name, ensure_sd3_checkpoint(comfy_root).name]
+
+
+# --- the INT8 file the save workflow writes and the load workflow reads ------------------------------------
+RESIDENT_RE = re.compile(r"loaded (\d+) Linear and (\d+) Conv2d layers as resident INT8")
+
+
+def int8_file_name() -> str:
+    """The file the load workflow's Load Diffusion Model (INT8) names (relative to the diffusion-model folders)."""
+    prompt = load_api(INT8_LOAD)
+    return prompt[node_of(prompt, "Int8AccelLoadModel")]["inputs"]["unet_name"]
+
+
+def saved_int8_files() -> list[Path]:
+    """Every file Save INT8 Model wrote with the save workflow's filename_prefix, in any diffusion-model folder."""
+    import folder_paths
+
+    prompt = load_api(INT8_SAVE)
+    prefix = prompt[node_of(prompt, "Int8AccelSaveModel")]["inputs"]["filename_prefix"]
+    folder, stem = prefix.rsplit("/", 1) if "/" in prefix else ("", prefix)
+    numbered = re.compile(re.escape(stem) + r"_\d{5}_\.safetensors")
+    return [path for root in folder_paths.get_folder_paths("diffusion_models") if (Path(root) / folder).is_dir()
+            for path in sorted((Path(root) / folder).iterdir()) if numbered.fullmatch(path.name)]
+
+
+def resident_int8_logged(server, log_from: int) -> list[tuple[int, int]]:
+    """(Linear, Conv2d) counts of every model Load Diffusion Model (INT8) loaded since byte `log_from` of the log."""
+    with open(server.log_path, "rb") as log:
+        log.seek(log_from)
+        return [(int(a), int(b)) for a, b in RESIDENT_RE.findall(log.read().decode(errors="replace"))]
+
+
+class Int8SaveRun:
+    """The run of the save workflow, in this test session, that wrote the file the load workflow reads.
+
+    `prepare` removes the files of the save workflow's prefix left by earlier sessions, so that the next run
+    writes the first numbered file, as on a fresh ComfyUI: the one the load workflow names. A test that queues
+    the save workflow itself (the browser's) calls `prepare` and then `record`; `ensure` queues it over the API
+    when no run of this session wrote the file yet."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.history: dict | None = None
+        self.log_from = 0
+
+    @property
+    def path(self) -> Path:
+        import folder_paths
+
+        found = folder_paths.get_full_path("diffusion_models", int8_file_name())
+        return Path(found) if found else Path(folder_paths.get_folder_paths("diffusion_models")[0]) / int8_file_name()
+
+    def prepare(self) -> None:
+        for path in saved_int8_files():
+            path.unlink()
+        self.history = None
+
+    def record(self, history: dict, log_from: int) -> None:
+        status = history.get("status", {})
+        assert status.get("status_str") == "success", f"{json.dumps(status)[:3000]}\n{self.server.log_tail()}"
+        assert self.path.is_file(), (
+            f"the save workflow ran but did not write {int8_file_name()} (the file the load workflow reads); "
+            f"files of its prefix: {[p.name for p in saved_int8_files()]}")
+        self.history, self.log_from = history, log_from
+
+    def ensure(self) -> Int8SaveRun:
+        if self.history is None or not self.path.is_file():
+            self.prepare()
+            log_from = self.server.log_path.stat().st_size
+            self.record(self.server.run(load_api(INT8_SAVE), timeout=900)["history"], log_from)
+        return self
+
+
+@pytest.fixture(scope="session")
+def int8_save_session(server, workflow_checkpoints) -> Int8SaveRun:
+    """This session's record of the save workflow's run (none yet: see `int8_file`)."""
+    return Int8SaveRun(server)
+
+
+@pytest.fixture
+def int8_file(int8_save_session) -> Int8SaveRun:
+    """The INT8 file the load workflow reads, written by a run of the save workflow in this session on the same
+    server (queued here when no test ran it yet)."""
+    return int8_save_session.ensure()
 
 
 def _is_widget(spec: list) -> bool:
@@ -235,13 +331,14 @@ def int8_report(server, prompt: dict, history: dict | None = None, *, log_from: 
 
 
 def without_quantize(prompt: dict) -> dict:
-    """The float baseline of `prompt`: the Quantize node and its report preview removed, its consumers fed
-    the model it was given; saved images get a `_float` prefix. Same seed, sampler and everything else."""
+    """The float baseline of `prompt`: the Quantize node, its report preview and any Save INT8 Model (a float
+    model has no INT8 layers to save) removed, its consumers fed the model it was given; saved images get a
+    `_float` prefix. Same seed, sampler and everything else."""
     prompt = copy.deepcopy(prompt)
     quant = node_of(prompt, "Int8AccelQuantize")
     source = prompt.pop(quant)["inputs"]["model"]
     for node_id, node in list(prompt.items()):
-        if any(value == [quant, 1] for value in node["inputs"].values()):
+        if node["class_type"] == "Int8AccelSaveModel" or any(value == [quant, 1] for value in node["inputs"].values()):
             del prompt[node_id]
             continue
         for name, value in node["inputs"].items():
