@@ -33,6 +33,7 @@ from comfyui_int8_accel.nodes.int8.loader import (
 )
 from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d, Int8Linear
 from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
+from tests.support.int8_checks import ALL_INT8, model_bytes, rel
 from tests.support.lora import apply_lora, make_lora
 from tests.support.tiny_models import (
     build_tiny_model,
@@ -42,16 +43,10 @@ from tests.support.tiny_models import (
     tiny_model_config,
 )
 
-ALL_INT8 = {"conv_mse_threshold": 1.0, "linear_mse_threshold": 1.0, "compute_density_threshold": 0}
-
 
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def detect_tiny(monkeypatch, kind: str) -> None:
@@ -66,11 +61,6 @@ def all_int8_layers(diffusion_model) -> dict[str, torch.nn.Module]:
     """Every eligible layer as the pack's INT8 module, built the way the Quantize node builds them."""
     return {name: Int8Plan._quantize_layer(diffusion_model.get_submodule(path), kind)
             for name, (path, kind) in find_candidates(diffusion_model).items()}
-
-
-def model_bytes(module: torch.nn.Module) -> int:
-    tensors = list(module.parameters()) + list(module.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 # --- the format ---------------------------------------------------------------------------------------------------
@@ -121,6 +111,9 @@ def test_per_tensor_scales_and_too_wide_weights_are_accepted(comfy_root):
     real = q_weight.float() * 0.01
     assert rel(q.float() * scale[:, None], real) < 0.02
     assert torch.equal(read_int8_layer(sd, "l", qmax=127)[0], q_weight)
+    # -128 is beyond +-127 as well (its int8 abs() wraps to -128)
+    edge = {"l.weight": torch.tensor([[-128, 1]], dtype=torch.int8), "l.weight_scale": torch.ones(1)}
+    assert "requantized" in read_int8_layer(edge, "l", qmax=127)[2]
 
 
 def test_malformed_entries_raise_clear_errors(comfy_root, monkeypatch):

@@ -131,6 +131,12 @@ def _convrot_dequantize(q_weight: torch.Tensor, scale: torch.Tensor, group_size:
     return undo(q_weight, scale.reshape(-1, 1).float(), int(group_size))
 
 
+def _largest_magnitude(q_weight: torch.Tensor) -> int:
+    """max |value| of an int8 tensor, without a temporary copy (and right for -128, whose int8 abs is -128)."""
+    low, high = torch.aminmax(q_weight)
+    return max(-int(low), int(high))
+
+
 def read_int8_layer(state_dict: Mapping[str, torch.Tensor], prefix: str, qmax: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, dict] | None:
     """(int8 weight, float32 scale [out], comfy_quant meta) for layer `prefix` (no trailing dot), or None when
@@ -169,7 +175,7 @@ def read_int8_layer(state_dict: Mapping[str, torch.Tensor], prefix: str, qmax: i
         float_weight = _convrot_dequantize(weight, scale, meta.get("convrot_groupsize", 256), prefix)
         q_weight, scale = quantize_weight_per_channel(float_weight.float(), qmax or 127)
         meta = {**meta, "requantized": "convrot undone"}
-    elif qmax is not None and int(weight.abs().max()) > qmax:
+    elif qmax is not None and _largest_magnitude(weight) > qmax:
         view = scale.view(-1, *([1] * (weight.ndim - 1)))
         q_weight, scale = quantize_weight_per_channel(weight.float() * view, qmax)
         meta = {**meta, "requantized": f"values beyond +-{qmax}"}

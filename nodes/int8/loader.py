@@ -6,6 +6,10 @@ placeholder expanded to the weight's shape), and when the state dict they load h
 `weight_scale` they turn into this pack's `Int8Linear` / `Int8Conv2d` (int8 `weight`, float32 `weight_scale`
 [out], `convert_weight` / `set_weight` so LoRA through ModelPatcher works, forward through the INT8 kernels).
 Every other layer loads its float tensors as usual. So the float weights of INT8 layers never exist in memory.
+
+Loading copies nothing it does not have to: a tensor whose dtype and device already match becomes the layer's
+own (from a memory-mapped file that means the model's weights are the file's pages, read once, never held twice),
+and only the small `weight_scale` / `comfy_quant` entries are kept aside for layers the ops do not build.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from .modules import Int8Conv2d, Int8Linear, _Int8Layer
 from .plan import int8_module_bytes
 
 log = logging.getLogger("int8_accel.int8")
-_LAYER_KEYS = ("weight", "bias", "weight_scale", "comfy_quant")
+_SIDE_KEYS = ("weight_scale", "comfy_quant")  # what an INT8 layer has beyond a float layer's weight and bias
+_LAYER_KEYS = ("weight", "bias", *_SIDE_KEYS)
 
 
 def _placeholder(shape, device, dtype) -> torch.nn.Parameter:
@@ -54,10 +59,10 @@ def _load_layer(module: torch.nn.Module, kind: str, state_dict: dict, prefix: st
     if weight is not None and tuple(weight.shape) != shape:
         error_msgs.append(f"size mismatch for {prefix}weight: checkpoint {list(weight.shape)}, model {list(shape)}")
         return
-    bias = None if bias is None else bias.to(device=device, dtype=dtype, copy=True)
+    bias = None if bias is None else bias.to(device=device, dtype=dtype)
     if quantized is None:
         if weight is not None:
-            module.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype, copy=True), requires_grad=False)
+            module.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
         if bias is not None:
             module.bias = torch.nn.Parameter(bias, requires_grad=False)
         return
@@ -68,8 +73,7 @@ def _load_layer(module: torch.nn.Module, kind: str, state_dict: dict, prefix: st
     if meta.get("requantized"):
         log.debug("int8-accel: %s requantized on load (%s)", name, meta["requantized"])
     module.__class__ = Int8Linear if kind == "linear" else Int8Conv2d
-    module._init_from_quantized(q_weight.to(device=device, copy=True), scale.to(device=device),
-                                bias, _compute_qmax(), dtype)
+    module._init_from_quantized(q_weight.to(device=device), scale.to(device=device), bias, _compute_qmax(), dtype)
 
 
 def int8_operations(base: type = comfy.ops.disable_weight_init) -> type:
@@ -129,9 +133,9 @@ def resident_memory_line(patcher) -> str:
 
 def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dict[str, torch.Tensor]]) -> list[str]:
     """Turn layers the model builds with plain torch classes (not ComfyUI's ops, e.g. SD3's context_embedder)
-    whose file entries are INT8 into INT8 layers; they were loaded as float weights holding int8 values.
-    `stored` maps each name to its file entries as {"layer.weight": ..., "layer.weight_scale": ..., ...}.
-    Returns the names that are neither."""
+    whose file entries are INT8 into INT8 layers; they were loaded as float weights holding int8 values (exact in
+    any float dtype), and their bias as usual. `stored` maps each name to the entries such a layer does not keep,
+    {"layer.weight_scale": ..., "layer.comfy_quant": ...}. Returns the names that are neither."""
     failed = []
     for name, entries in stored.items():
         parent_name, _, leaf = name.rpartition(".")
@@ -143,13 +147,13 @@ def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dic
         if isinstance(module, _Int8Layer):
             continue
         kind = layer_kind(module)
-        q_weight, scale, _ = read_int8_layer(entries, "layer", qmax=_compute_qmax())
-        if kind not in ("linear", "conv") or tuple(module.weight.shape) != tuple(q_weight.shape):
+        if kind not in ("linear", "conv"):
             failed.append(name)
             continue
         device, dtype = module.weight.device, module.weight.dtype
-        bias = entries.get("layer.bias")
-        bias = None if bias is None else bias.to(device=device, dtype=dtype, copy=True)
+        file_weight = module.weight.detach().to(torch.int8)
+        q_weight, scale, _ = read_int8_layer({**entries, "layer.weight": file_weight}, "layer", qmax=_compute_qmax())
+        bias = None if module.bias is None else module.bias.detach()
         if kind == "linear":
             layer = Int8Linear.__new__(Int8Linear)
             torch.nn.Module.__init__(layer)
@@ -162,8 +166,7 @@ def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dic
             torch.nn.Module.__init__(layer)
             for attr in ("out_channels", "in_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
                 setattr(layer, attr, getattr(module, attr))
-        layer._init_from_quantized(q_weight.to(device=device, copy=True), scale.to(device=device), bias,
-                                   _compute_qmax(), dtype)
+        layer._init_from_quantized(q_weight.to(device=device), scale.to(device=device), bias, _compute_qmax(), dtype)
         parent = diffusion_model.get_submodule(parent_name) if parent_name else diffusion_model
         parent._modules[leaf] = layer
     return failed
@@ -189,12 +192,14 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
                          model_options: dict | None = None):
     """A ModelPatcher for a diffusion-model state dict in ComfyUI's INT8 format (plain float files load too).
 
+    The model takes `sd`'s tensors as its own where their dtype and device already match (no copy), and ComfyUI's
+    loading empties `sd` as it goes, so the caller should not reuse it.
     Raises ValueError when the model type is not recognised, or when an INT8 entry of the file belongs to no
     Linear/Conv2d layer of the model (its int8 values would otherwise be used without their scale)."""
-    stored = {}  # the file's tensors of every INT8 layer, for layers the ops do not build (references only)
+    stored = {}  # the small entries of every INT8 layer, for layers the ops do not build
     for key in int8_layer_names(sd):
         stored[key.removeprefix("model.diffusion_model.")] = {
-            f"layer.{suffix}": sd[f"{key}.{suffix}"] for suffix in _LAYER_KEYS if f"{key}.{suffix}" in sd}
+            f"layer.{suffix}": sd[f"{key}.{suffix}"] for suffix in _SIDE_KEYS if f"{key}.{suffix}" in sd}
     options = dict(model_options or {})
     options["custom_operations"] = int8_operations(options.get("custom_operations") or comfy.ops.disable_weight_init)
     patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options,
