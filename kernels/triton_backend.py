@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from .cuda import int_mm_padded, prepared_linear_weight, quantize_conv_input
+from .cuda import int_mm_padded, prepared_linear_weight, quantize_conv_input, weight_column_sums
 
 
 def _kernels() -> ModuleType:
@@ -44,5 +44,6 @@ def linear(
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     xq, zp_signed, scale = quantize_conv_input(x)
-    y = _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, w_scale, bias, stride, padding, dilation, groups)
+    y = _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, weight_column_sums(q_weight), w_scale, bias, stride,
+                               padding, dilation, groups)
     return y.to(x.dtype)
