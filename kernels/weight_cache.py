@@ -64,8 +64,14 @@ def weight_stamp(tensor: torch.Tensor, sample_words: int | None = None) -> tuple
     return (*identity_stamp(tensor), content_checksum(tensor, sample_words))
 
 
+def content_checked(device: torch.device) -> bool:
+    """Whether the cache checksums weights on `device` (the CPU), rather than trusting identity stamps and
+    `weight_changed` calls and refilling derived forms in place (every other device)."""
+    return device.type == "cpu"
+
+
 def _cache_stamp(tensor: torch.Tensor) -> tuple:
-    return weight_stamp(tensor) if tensor.device.type == "cpu" else identity_stamp(tensor)
+    return weight_stamp(tensor) if content_checked(tensor.device) else identity_stamp(tensor)
 
 
 def _refill(old: Any, new: Any) -> Any:
@@ -77,11 +83,26 @@ def _refill(old: Any, new: Any) -> Any:
     """
     if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
         same = (old.layout == new.layout == torch.strided and old.shape == new.shape and old.dtype == new.dtype
-                and old.device == new.device and old.device.type != "cpu")
+                and old.device == new.device and not content_checked(old.device))
         return old.copy_(new) if same else new
     if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
         return tuple(_refill(o, n) for o, n in zip(old, new, strict=True))
     return new
+
+
+class _Entry:
+    __slots__ = ("stamp", "value", "build", "dep_refs")
+
+    def __init__(self, stamp: tuple | None, value: Any, build: Callable[..., Any], deps: tuple) -> None:
+        self.stamp, self.value, self.build = stamp, value, build
+        self.dep_refs = tuple(None if d is None else weakref.ref(d) for d in deps)
+
+    def deps(self) -> tuple | None:
+        """The scale/bias it was built with, or None if one of them is gone."""
+        deps = tuple(None if ref is None else ref() for ref in self.dep_refs)
+        if any(d is None and ref is not None for d, ref in zip(deps, self.dep_refs, strict=True)):
+            return None
+        return deps
 
 
 class WeightCache:
@@ -89,8 +110,8 @@ class WeightCache:
     them as arguments, so a weight that dies takes its derived forms with it."""
 
     def __init__(self) -> None:
-        # (id(weight), tag) -> [weakref to weight, stamp, value, build, weakrefs to deps]
-        self._entries: dict[tuple, list] = {}
+        # id(weight) -> (weakref to weight, {tag: entry})
+        self._weights: dict[int, tuple[weakref.ref, dict[str, _Entry]]] = {}
         self._lock = threading.Lock()
         self.builds: Counter = Counter()
 
@@ -98,29 +119,38 @@ class WeightCache:
     def _stamp(weight: torch.Tensor, deps: tuple) -> tuple:
         return _cache_stamp(weight), tuple(None if d is None else (id(d), _cache_stamp(d)) for d in deps)
 
+    def _entries_of(self, weight: torch.Tensor) -> dict[str, _Entry] | None:
+        record = self._weights.get(id(weight))
+        return record[1] if record is not None and record[0]() is weight else None
+
     def get(self, weight: torch.Tensor, deps: torch.Tensor | tuple | None, tag: str,
             build: Callable[..., Any]) -> Any:
         """The cached `build(weight, *deps)`; rebuilt when `weight` or one of `deps` (scale, bias) changed.
 
         `build` must not hold `weight` itself (no closure over it), or the entry would keep it alive."""
-        key = (id(weight), tag)
         if not isinstance(deps, tuple):
             deps = () if deps is None else (deps,)
         stamp = self._stamp(weight, deps)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is weight:
-            if entry[1] != stamp:
-                entry[1], entry[2] = stamp, self._build(tag, build, weight, deps, entry[2])
-                entry[3], entry[4] = build, tuple(None if d is None else weakref.ref(d) for d in deps)
-            return entry[2]
+        entries = self._entries_of(weight)
+        entry = None if entries is None else entries.get(tag)
+        if entry is not None:
+            if entry.stamp != stamp:
+                value = self._build(tag, build, weight, deps, entry.value)
+                entries[tag] = _Entry(stamp, value, build, deps)
+            return entries[tag].value
         value = self._build(tag, build, weight, deps, None)
-        entries = self._entries
-
-        def drop(_ref: weakref.ref, key: tuple = key) -> None:
-            entries.pop(key, None)
-
         with self._lock:
-            self._entries[key] = [weakref.ref(weight, drop), stamp, value, build, tuple(None if d is None else weakref.ref(d) for d in deps)]
+            entries = self._entries_of(weight)
+            if entries is None:
+                weights, key = self._weights, id(weight)
+
+                def drop(ref: weakref.ref) -> None:
+                    if key in weights and weights[key][0] is ref:
+                        del weights[key]
+
+                entries = {}
+                self._weights[key] = (weakref.ref(weight, drop), entries)
+            entries[tag] = _Entry(stamp, value, build, deps)
         return value
 
     def _build(self, tag: str, build: Callable[..., Any], weight: torch.Tensor, deps: tuple, previous: Any) -> Any:
@@ -135,22 +165,22 @@ class WeightCache:
 
     def weight_changed(self, weight: torch.Tensor) -> None:
         """`weight` was rewritten where its stamp cannot see it: rebuild its derived forms now, in place."""
-        for key, entry in list(self._entries.items()):
-            if key[0] != id(weight) or entry[0]() is not weight:
+        entries = self._entries_of(weight) or {}
+        for tag, entry in list(entries.items()):
+            deps = entry.deps()
+            if deps is None:  # a scale or bias it was built with is gone: rebuilt on its next use
+                entry.stamp = None
                 continue
-            deps = tuple(None if ref is None else ref() for ref in entry[4])
-            if any(d is None and ref is not None for d, ref in zip(deps, entry[4], strict=True)):
-                entry[1] = None  # a scale or bias it was built with is gone: rebuilt on its next use
-                continue
-            entry[1], entry[2] = self._stamp(weight, deps), self._build(key[1], entry[3], weight, deps, entry[2])
+            value = self._build(tag, entry.build, weight, deps, entry.value)
+            entries[tag] = _Entry(self._stamp(weight, deps), value, entry.build, deps)
 
     def forget(self, weight: torch.Tensor) -> None:
         with self._lock:
-            for key in [k for k in self._entries if k[0] == id(weight)]:
-                del self._entries[key]
+            if self._entries_of(weight) is not None:
+                del self._weights[id(weight)]
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(entries) for _, entries in list(self._weights.values()))
 
 
 CACHE = WeightCache()

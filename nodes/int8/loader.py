@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import comfy.model_management
 import comfy.ops
+import comfy.patcher_extension
 import comfy.sd
 import comfy.utils
 import torch
@@ -22,10 +23,14 @@ import torch
 from ...kernels import weight_qmax
 from ..layers import layer_kind
 from .checkpoint import int8_layer_names, read_int8_layer
-from .modules import Int8Conv2d, Int8Linear, _Int8Layer
+from .modules import Int8Conv2d, Int8Linear, _Int8Layer, refresh_int8_weights
 
 log = logging.getLogger("int8_accel.int8")
 _LAYER_KEYS = ("weight", "bias", "weight_scale", "comfy_quant")
+CALLBACK_KEY = "int8_accel_resident"
+# Where ComfyUI may have rewritten weights in place (`.data.copy_()`): after loading (patches, restores), before
+# each sampling run (hook backups restored at the last cleanup) and after applying hooks.
+_WEIGHT_WRITE_CALLBACKS = ("ON_LOAD", "ON_PRE_RUN", "ON_APPLY_HOOKS")
 
 
 def _placeholder(shape, device, dtype) -> torch.nn.Parameter:
@@ -152,6 +157,10 @@ def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dic
     return failed
 
 
+def _refresh_after_weight_writes(patcher, *args, **kwargs) -> None:
+    refresh_int8_weights(patcher.model.diffusion_model)
+
+
 def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
                          model_options: dict | None = None):
     """A ModelPatcher for a diffusion-model state dict in ComfyUI's INT8 format (plain float files load too).
@@ -175,6 +184,9 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
         raise ValueError(f"{len(failed)} INT8 entries of the file are not Linear/Conv2d layers of this model, so "
                          f"they cannot run in INT8: {sorted(failed)[:5]}")
     resident = int8_resident_layers(diffusion_model)
+    for name in _WEIGHT_WRITE_CALLBACKS:
+        patcher.add_callback_with_key(getattr(comfy.patcher_extension.CallbacksMP, name), CALLBACK_KEY,
+                                      _refresh_after_weight_writes)
     linear = sum(isinstance(m, Int8Linear) for m in resident.values())
     log.info("int8-accel: loaded %d Linear and %d Conv2d layers as resident INT8", linear, len(resident) - linear)
     return patcher
