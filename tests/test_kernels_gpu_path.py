@@ -14,7 +14,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from comfyui_int8_accel.kernels import cuda as cuda_backend
@@ -31,6 +30,7 @@ from comfyui_int8_accel.kernels import (
     weight_changed,
 )
 from comfyui_int8_accel.kernels.weight_cache import CACHE
+from tests.support.int8_exact import exact_conv, exact_linear
 
 QMAX = {8: 127, 7: 63}
 TRITON = ops.backend_unavailable_reason("triton")
@@ -57,29 +57,6 @@ def run(backend: str, fn, *args):
         y = fn(*args)
     assert calls == {(op, backend, "int8"): 1}
     return y
-
-
-def exact_linear(x, q_weight, w_scale, bias, out_dtype=None):
-    """The W8A8 Linear by its definition: the reference's quantizer, an exact integer product, the epilogue
-    (in float32, then in `out_dtype`, x's dtype by default)."""
-    q, row_scale = quant.quantize_rows_symmetric(x.reshape(-1, x.shape[-1]))
-    acc = q.long() @ q_weight.long().t()
-    y = acc.to(torch.float32) * row_scale[:, None] * w_scale[None, :]
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.reshape(*x.shape[:-1], q_weight.shape[0]).to(out_dtype or x.dtype)
-
-
-def exact_conv(x, q_weight, w_scale, bias, stride, padding, dilation, groups, out_dtype=None):
-    """The W8A8 Conv2d by its definition: the reference's affine quantizer, an exact integer conv (float64 holds
-    these sums exactly), the epilogue."""
-    scale, zero_point = quant.affine_qparams(x)
-    centred = quant.quantize_affine_uint8(x, scale, zero_point).double() - zero_point.double()
-    acc = F.conv2d(centred, q_weight.double(), None, stride, padding, dilation, groups)
-    y = acc.to(torch.float32) * (scale * w_scale)[None, :, None, None]
-    if bias is not None:
-        y = y + bias.to(torch.float32)[None, :, None, None]
-    return y.to(out_dtype or x.dtype)
 
 
 def assert_exact(y: torch.Tensor, exact_fn, *args) -> None:
