@@ -34,7 +34,8 @@ def cpu_has_int8_dot_product() -> bool:
     except OSError:
         pass
     # Without /proc/cpuinfo only the AMX capability level guarantees an int8 dot product.
-    return torch.backends.cpu.get_cpu_capability().upper().startswith("AMX")
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", None)  # PyTorch 2.1+
+    return capability is not None and capability().upper().startswith("AMX")
 
 
 WEIGHT_BITS_ENV = "INT8_ACCEL_WEIGHT_BITS"

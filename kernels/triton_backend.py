@@ -25,6 +25,8 @@ def available() -> str | None:
     triton_kernels = _kernels()
     if not triton_kernels.AVAILABLE:
         return "triton is not importable"
+    if triton_kernels.TOO_OLD:
+        return triton_kernels.TOO_OLD
     if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
         return "Triton needs a CUDA GPU (or TRITON_INTERPRET=1 set before triton is first imported)"
     return None

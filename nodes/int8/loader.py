@@ -10,6 +10,7 @@ Every other layer loads its float tensors as usual. So the float weights of INT8
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping
 
@@ -173,8 +174,10 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
             f"layer.{suffix}": sd[f"{key}.{suffix}"] for suffix in _LAYER_KEYS if f"{key}.{suffix}" in sd}
     options = dict(model_options or {})
     options["custom_operations"] = int8_operations(options.get("custom_operations") or comfy.ops.disable_weight_init)
-    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options,
-                                                        metadata=dict(metadata) if metadata else None)
+    extra = {}
+    if "metadata" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters:  # newer ComfyUI only
+        extra["metadata"] = dict(metadata) if metadata else None
+    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, **extra)
     if patcher is None:
         raise ValueError("could not detect the model type of this diffusion-model state dict")
     diffusion_model = patcher.model.diffusion_model
