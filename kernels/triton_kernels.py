@@ -39,11 +39,9 @@ def _interpreted() -> bool:
         return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+INTERPRETED = _interpreted()
 # Launch option: no FMA contraction (see the module docstring).
 EXACT = {"enable_fp_fusion": False}
-
-
-INTERPRETED = _interpreted()
 # The kernels need `tl.math.div_rn` (Triton 3.0, the release PyTorch 2.4 ships with).
 TOO_OLD = None if not AVAILABLE or hasattr(tl.math, "div_rn") else (
     f"this Triton ({getattr(triton, '__version__', '?')}) has no tl.math.div_rn: Triton 3.0 or newer is needed")
