@@ -41,9 +41,9 @@ def _padded_rows(rows: torch.Tensor) -> torch.Tensor:
 def prepared_linear_weight(q_weight: torch.Tensor) -> torch.Tensor:
     """int8 [N_pad, K_pad] row-major rows for `int_mm_padded`: the weight itself when N and K are multiples of 8.
 
-    It enters torch._int_mm transposed, as a column-major [K_pad, N_pad] view: the one layout cuBLASLt's INT8
-    GEMM takes on every CUDA version and GPU generation PyTorch tests it on (a row-major second operand fails
-    with CUBLAS_STATUS_NOT_SUPPORTED on older GPUs and on CUDA 13).
+    It enters torch._int_mm transposed, as a column-major [K_pad, N_pad] view: the layout PyTorch's own tests
+    expect cuBLASLt's INT8 GEMM to take wherever torch._int_mm works (Ampere and newer; Volta/Turing from CUDA
+    12.3). A row-major second operand is not supported with CUDA 13 (CUBLAS_STATUS_NOT_SUPPORTED).
     """
     n, k = q_weight.shape
     if n % INT_MM_MULTIPLE == 0 and k % INT_MM_MULTIPLE == 0 and q_weight.is_contiguous():
