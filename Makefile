@@ -6,7 +6,7 @@ export PY
 # INT8_ACCEL_SKIP_BROWSER=1 is the one explicit opt-out: the set-up is not attempted and those tests skip
 # with that reason in pytest's summary.
 
-.PHONY: setup setup-browser test test-kernels test-inprocess test-server demo bench lint checkpoint
+.PHONY: setup setup-browser test test-kernels test-inprocess test-server test-gpu demo bench lint checkpoint
 
 setup:
 	@bash scripts/setup.sh >/dev/null
@@ -32,6 +32,12 @@ test-kernels: setup
 
 test-server: setup-browser
 	@$(PY) -m pytest tests -q -m "server or browser"
+
+# The GPU suite and the GPU bench table: ComfyUI on the GPU and Triton compiled (not interpreted). Without CUDA
+# both say so in one line and succeed.
+test-gpu: setup
+	@INT8_ACCEL_TESTS_ON_GPU=1 TRITON_INTERPRET=0 $(PY) -m pytest tests/gpu -q -m gpu
+	@$(PY) bench/bench_gpu.py
 
 demo: setup
 	@$(PY) -m scripts.demo

@@ -11,8 +11,11 @@ registered: torch.compile traces them with fullgraph=True), which dispatch to on
 `torch._int_mm`). `backend_for(device)` says which one serves a device, `force_backend(name)` overrides it in
 the current thread, `record_calls()` counts which backend and path ("int8" or "float") served each call.
 
-Derived forms of a weight (prepacked, transposed) are cached per tensor and freed with it; in-place rewrites are
-detected with `weight_stamp`. `release_packed_weight(tensor)` drops them explicitly.
+Derived forms of a weight (prepacked, padded, column sums) are cached per tensor, built once per weight version
+and freed with it. A version is the tensor's identity stamp (no host read) and, on the CPU, a content checksum;
+off the CPU, whoever rewrites a weight in place without its version counter (`.data.copy_()`) calls
+`weight_changed(tensor)`, which rebuilds them at once. `release_packed_weight(tensor)` drops them explicitly.
+No INT8 op reads a device value on the host, so they run in CUDA graphs.
 
 Environment switches (read where noted):
 - `INT8_ACCEL_WEIGHT_BITS=7` (read at every `weight_bits`/`weight_qmax` call): 7-bit weights on every device,
@@ -56,6 +59,12 @@ def release_packed_weight(q_weight: torch.Tensor) -> None:
     _CACHE.forget(q_weight)
 
 
+def weight_changed(q_weight: torch.Tensor) -> None:
+    """`q_weight` was rewritten in place where its version counter does not see it (`.data.copy_()`): rebuild
+    its derived forms now, into the same memory (CUDA graphs that captured them stay valid)."""
+    _CACHE.weight_changed(q_weight)
+
+
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
@@ -76,6 +85,7 @@ __all__ = [
     "release_packed_weight",
     "set_linear_activation_granularity",
     "weight_bits",
+    "weight_changed",
     "weight_qmax",
     "weight_stamp",
 ]

@@ -22,10 +22,12 @@ import torch.nn.functional as F
 
 from .compiled import CompiledOrEager
 from .quant import (
+    affine_qparams,
     as_contiguous,
     conv_output_shape,
     dequantize_weight,
     linear_activation_granularity,
+    round_affine,
     round_rows_symmetric,
 )
 from .weight_cache import CACHE
@@ -42,11 +44,22 @@ IM2COL_MAX_ROWS = int(os.environ.get("INT8_ACCEL_IM2COL_MAX_ROWS", 160))
 COMPILE_MIN_NUMEL = 1 << 19
 
 
+_ONEDNN_OPS = ("qlinear_prepack", "qlinear_pointwise", "qconv_prepack")
+
+
+def _qconv_op():
+    """oneDNN's INT8 conv: `qconv_pointwise`, called `qconv2d_pointwise` before PyTorch generalised it."""
+    onednn = getattr(torch.ops, "onednn", None)
+    return getattr(onednn, "qconv_pointwise", None) or getattr(onednn, "qconv2d_pointwise", None)
+
+
 def available() -> str | None:
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch build has no oneDNN (mkldnn)"
-    if not (hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise")):
-        return "this PyTorch build has no oneDNN quantized ops (torch.ops.onednn.qlinear_pointwise)"
+    onednn = getattr(torch.ops, "onednn", None)
+    missing = [name for name in _ONEDNN_OPS if not hasattr(onednn, name)] + ([] if _qconv_op() else ["qconv_pointwise"])
+    if missing:
+        return f"this PyTorch has no oneDNN INT8 ops {', '.join('torch.ops.onednn.' + m for m in missing)}"
     return None
 
 
@@ -66,14 +79,8 @@ def quantize_rows_u8_eager(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def quantize_tensor_u8_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tensor affine uint8 over [min(x, 0), max(x, 0)]: (q, scale, zero point), the last two as 0-d tensors."""
-    xf = x.float()
-    lo, hi = torch.aminmax(xf)
-    lo = lo.clamp(max=0.0)
-    hi = hi.clamp(min=0.0)
-    span = hi - lo
-    scale = torch.where(span > 0, span / 255.0, torch.ones_like(span))
-    zero_point = torch.round(-lo / scale).clamp(0, 255)
-    q = torch.round(xf * (1.0 / scale) + zero_point).clamp_(0, 255).to(torch.uint8)
+    scale, zero_point = affine_qparams(x)
+    q = round_affine(x, scale, zero_point).to(torch.uint8)
     if q.dim() == 4:  # oneDNN convolves channels-last activations without a reorder of its own
         q = q.contiguous(memory_format=torch.channels_last)
     return q, scale, zero_point
@@ -93,27 +100,30 @@ quantize_tensor_u8 = CompiledOrEager(
 # ---- prepacked weights ------------------------------------------------------------------------------
 
 
-def _linear_pack(q_weight: torch.Tensor, w_scale: torch.Tensor) -> tuple:
-    def build():
-        packed = torch.ops.onednn.qlinear_prepack(q_weight.contiguous(), None)
-        return packed, w_scale.to(torch.float32).contiguous(), torch.zeros(q_weight.shape[0], dtype=torch.long)
+def _build_linear_pack(q_weight: torch.Tensor, w_scale: torch.Tensor) -> tuple:
+    """A Linear weight [N, K], or a conv weight taken as [Cout, Cin*kh*kw] (the im2col GEMM), prepacked."""
+    packed = torch.ops.onednn.qlinear_prepack(q_weight.reshape(q_weight.shape[0], -1).contiguous(), None)
+    return packed, w_scale.to(torch.float32).contiguous(), torch.zeros(q_weight.shape[0], dtype=torch.long)
 
-    return CACHE.get(q_weight, w_scale, "onednn-linear", build)
+
+def _linear_pack(q_weight: torch.Tensor, w_scale: torch.Tensor) -> tuple:
+    return CACHE.get(q_weight, w_scale, "onednn-linear", _build_linear_pack)
+
+
+def _build_fbgemm_linear_pack(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None):
+    zeros = torch.zeros(q_weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # quantized-tensor creation is deprecated; fbgemm's packing needs it
+        warnings.simplefilter("ignore")
+        w = torch._make_per_channel_quantized_tensor(q_weight.contiguous(), w_scale.double(), zeros, 0)
+        return torch.ops.quantized.linear_prepack(w, None if bias is None else bias.to(torch.float32).contiguous())
 
 
 def _fbgemm_linear_pack(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None):
-    def build():
-        zeros = torch.zeros(q_weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # quantized-tensor creation is deprecated; fbgemm's packing needs it
-            warnings.simplefilter("ignore")
-            w = torch._make_per_channel_quantized_tensor(q_weight.contiguous(), w_scale.double(), zeros, 0)
-            return torch.ops.quantized.linear_prepack(w, None if bias is None else bias.to(torch.float32).contiguous())
-
-    return CACHE.get(q_weight, (w_scale, bias), "fbgemm-linear", build)
+    return CACHE.get(q_weight, (w_scale, bias), "fbgemm-linear", _build_fbgemm_linear_pack)
 
 
 def _conv_pack(q_weight: torch.Tensor, w_scale: torch.Tensor, stride, padding, dilation, groups) -> tuple:
-    def build():
+    def build(q_weight: torch.Tensor, w_scale: torch.Tensor) -> tuple:
         scale = w_scale.to(torch.float32).contiguous()
         packed = torch.ops.onednn.qconv_prepack(q_weight.contiguous(), scale, 1.0, 0, stride, padding, dilation, groups, None)
         return packed, scale, torch.zeros(q_weight.shape[0], dtype=torch.long)
@@ -122,7 +132,7 @@ def _conv_pack(q_weight: torch.Tensor, w_scale: torch.Tensor, stride, padding, d
 
 
 def _float_weight(q_weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    return CACHE.get(q_weight, w_scale, "float32", lambda: dequantize_weight(q_weight, w_scale))
+    return CACHE.get(q_weight, w_scale, "float32", dequantize_weight)
 
 
 # ---- ops --------------------------------------------------------------------------------------------
@@ -181,7 +191,7 @@ def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias:
         return _conv2d_im2col(x, q_weight, w_scale, bias, bias32, stride, padding, dilation, h_out, w_out)
     packed, scale32, zeros = _conv_pack(q_weight, w_scale, stride, padding, dilation, groups)
     xq, scale, zero_point = quantize_tensor_u8(x)
-    y = torch.ops.onednn.qconv_pointwise(
+    y = _qconv_op()(
         xq, float(scale), int(zero_point), packed, scale32, zeros, bias32,
         stride, padding, dilation, groups, 1.0, 0, torch.float32, "none", [], "",
     )  # fmt: skip
@@ -193,9 +203,8 @@ def _conv2d_im2col(x, q_weight, w_scale, bias, bias32, stride, padding, dilation
     """Conv as a per-token INT8 GEMM over unfolded patches: each output pixel's patch gets its own scale."""
     cout = q_weight.shape[0]
     batch = x.shape[0]
-    q2d = CACHE.get(q_weight, None, "im2col-2d", lambda: q_weight.reshape(cout, -1).contiguous())
     cols = F.unfold(x.float(), q_weight.shape[2:], dilation=dilation, padding=padding, stride=stride)
     cols = cols.transpose(1, 2).reshape(batch * h_out * w_out, -1)
-    y = _linear_int8(cols, q2d, w_scale, bias, bias32, per_token=True)  # [B * L, Cout]
+    y = _linear_int8(cols, q_weight, w_scale, bias, bias32, per_token=True)  # [B * L, Cout]
     y = y.reshape(batch, h_out * w_out, cout).transpose(1, 2).reshape(batch, cout, h_out, w_out)
     return as_contiguous(y, x.dtype)

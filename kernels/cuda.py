@@ -3,6 +3,11 @@
 Meant for CUDA tensors when Triton is missing, and it runs on CPU tensors too (`torch._int_mm` is exact there),
 which is how the tests check it. Its quantization formulas are the reference's, so its int32 accumulations
 are exact and its results equal the `triton` backend's bit for bit. The helpers here are shared with it.
+
+Nothing here reads a device value on the host: the conv's activation scale and zero point stay 0-d tensors,
+so a call never waits for the device and can be captured in a CUDA graph. Derived forms of a weight (padded
+rows, int32 column sums) are built once per weight version (`weight_cache`); a weight whose shapes need no
+padding is used as it is.
 """
 
 from __future__ import annotations
@@ -10,10 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import affine_qparams, conv_output_shape, quantize_affine_uint8, quantize_rows_symmetric
+from .quant import affine_qparams, conv_output_shape, quantize_rows_symmetric, round_affine
 from .weight_cache import CACHE
 
 INT_MM_MIN_M = 17  # torch._int_mm needs M > 16 and K, N multiples of 8
+INT_MM_MULTIPLE = 8
 
 
 def available() -> str | None:
@@ -22,41 +28,55 @@ def available() -> str | None:
     return None
 
 
-def _round_up(value: int, multiple: int) -> int:
+def _round_up(value: int, multiple: int = INT_MM_MULTIPLE) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+def _padded_rows(rows: torch.Tensor) -> torch.Tensor:
+    """int8 [..., R, C] padded with zeros to multiples of 8 in both dims (a new tensor)."""
+    r, c = rows.shape[-2:]
+    return F.pad(rows, (0, _round_up(c) - c, 0, _round_up(r) - r)).contiguous()
+
+
 def prepared_linear_weight(q_weight: torch.Tensor) -> torch.Tensor:
-    """int8 [K_pad, N_pad], contiguous: the second operand of torch._int_mm (transposed layouts can be wrong)."""
+    """int8 [N_pad, K_pad] row-major rows for `int_mm_padded`: the weight itself when N and K are multiples of 8.
 
-    def build() -> torch.Tensor:
-        n, k = q_weight.shape
-        w = F.pad(q_weight, (0, _round_up(k, 8) - k, 0, _round_up(n, 8) - n))
-        return w.t().contiguous()
+    It enters torch._int_mm transposed, as a column-major [K_pad, N_pad] view: the layout PyTorch's own tests
+    expect cuBLASLt's INT8 GEMM to take wherever torch._int_mm works (Ampere and newer; Volta/Turing from CUDA
+    12.3). A row-major second operand is not supported with CUDA 13 (CUBLAS_STATUS_NOT_SUPPORTED).
+    """
+    n, k = q_weight.shape
+    if n % INT_MM_MULTIPLE == 0 and k % INT_MM_MULTIPLE == 0 and q_weight.is_contiguous():
+        return q_weight
+    return CACHE.get(q_weight, None, "int-mm-linear", _padded_rows)
 
-    return CACHE.get(q_weight, None, "int-mm-linear", build)
 
-
-def int_mm_padded(a: torch.Tensor, b_prepared: torch.Tensor, n: int) -> torch.Tensor:
-    """Exact int32 a @ b for int8 a [M, K] and a prepared b [K_pad, N_pad]; pads M and K as _int_mm needs."""
+def int_mm_padded(a: torch.Tensor, w_rows: torch.Tensor, n: int) -> torch.Tensor:
+    """Exact int32 a @ w^T for int8 a [M, K] and prepared rows w [N_pad, K_pad]; pads M and K as _int_mm needs."""
     m, k = a.shape
-    k_pad = b_prepared.shape[0]
+    k_pad = w_rows.shape[1]
     m_pad = max(m, INT_MM_MIN_M)
     if m_pad != m or k_pad != k:
         a = F.pad(a, (0, k_pad - k, 0, m_pad - m))
-    acc = torch._int_mm(a.contiguous(), b_prepared)
+    acc = torch._int_mm(a.contiguous(), w_rows.t())
     return acc[:m, :n]
 
 
-def quantize_conv_input(x: torch.Tensor) -> tuple[torch.Tensor, int, float]:
+def weight_column_sums(q_weight: torch.Tensor) -> torch.Tensor:
+    """int32 [Cout]: the sum of each output channel's int8 weights (removes an activation zero point exactly)."""
+    return CACHE.get(q_weight, None, "column-sums", lambda w: w.reshape(w.shape[0], -1).sum(dim=1, dtype=torch.int32))
+
+
+def quantize_conv_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tensor affine quantization in signed storage: (int8 q - 128, zero point - 128, scale).
 
-    The int8 GEMMs take signed operands; the zero point is removed afterwards in int32 through the weight
-    column sums, exactly.
+    The zero point is a 0-d int32 tensor and the scale a 0-d float32 tensor, both on x's device. The int8
+    GEMMs take signed operands; the zero point is removed afterwards in int32 through the weight column sums,
+    exactly.
     """
     scale, zero_point = affine_qparams(x)
-    xq = (quantize_affine_uint8(x, scale, zero_point).to(torch.int16) - 128).to(torch.int8)
-    return xq, zero_point - 128, scale
+    xq = (round_affine(x, scale, zero_point) - 128).to(torch.int8)
+    return xq, (zero_point - 128).to(torch.int32), scale
 
 
 def linear(
@@ -71,30 +91,32 @@ def linear(
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
-def _prepared_conv_weight(q_weight: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group: int8 [K_pad, Cout_g_pad] GEMM operand (K ordered cin, kh, kw) and int32 column sums [Cout]."""
-
-    def build():
-        cout = q_weight.shape[0]
-        per_group = cout // groups
-        mats = []
-        for g in range(groups):
-            w_g = q_weight[g * per_group : (g + 1) * per_group].reshape(per_group, -1)
-            k = w_g.shape[1]
-            w_g = F.pad(w_g, (0, _round_up(k, 8) - k, 0, _round_up(per_group, 8) - per_group))
-            mats.append(w_g.t().contiguous())
-        col_sums = q_weight.reshape(cout, -1).to(torch.int32).sum(dim=1)
-        return torch.stack(mats), col_sums
-
-    return CACHE.get(q_weight, None, f"int-mm-conv-g{groups}", build)
+def _conv_weight_rows(q_weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """int8 [groups, Cout_g_pad, K_pad] GEMM rows (K ordered cin, kh, kw); the weight's own memory when no
+    padding is needed."""
+    rows = q_weight.reshape(groups, q_weight.shape[0] // groups, -1)
+    if rows.shape[1] % INT_MM_MULTIPLE == 0 and rows.shape[2] % INT_MM_MULTIPLE == 0 and rows.is_contiguous():
+        return rows
+    return CACHE.get(q_weight, None, f"int-mm-conv-g{groups}",
+                     lambda w: _padded_rows(w.reshape(groups, w.shape[0] // groups, -1)))
 
 
-def _im2col_int8(xq: torch.Tensor, kernel: tuple[int, int], out_hw: tuple[int, int], stride, padding, dilation,
-                 pad_value: int) -> torch.Tensor:  # fmt: skip
-    """int8 NCHW -> [B*Ho*Wo, C*kh*kw] columns (ordered c, i, j), padding with the value that encodes zero."""
-    b, c = xq.shape[:2]
+def _pad_with(xq: torch.Tensor, padding: list[int], value: torch.Tensor) -> torch.Tensor:
+    """NCHW int8 padded by `padding` with a 0-d tensor's value, without reading it on the host."""
+    ph, pw = padding
+    if ph == 0 and pw == 0:
+        return xq
+    b, c, h, w = xq.shape
+    out = torch.empty((b, c, h + 2 * ph, w + 2 * pw), dtype=xq.dtype, device=xq.device)
+    out.copy_(value.to(xq.dtype))  # broadcast on the device
+    out[:, :, ph : ph + h, pw : pw + w] = xq
+    return out
+
+
+def _im2col_int8(padded: torch.Tensor, kernel: tuple[int, int], out_hw: tuple[int, int], stride, dilation) -> torch.Tensor:
+    """Padded int8 NCHW -> [B*Ho*Wo, C*kh*kw] columns (ordered c, i, j)."""
+    b, c = padded.shape[:2]
     (kh, kw), (h_out, w_out) = kernel, out_hw
-    padded = F.pad(xq, (padding[1], padding[1], padding[0], padding[0]), value=pad_value)
     taps = []
     for i in range(kh):
         for j in range(kw):
@@ -112,12 +134,14 @@ def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias:
     cout, cin_g, kh, kw = q_weight.shape
     b, _, h_out, w_out = conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)
     per_group = cout // groups
-    mats, col_sums = _prepared_conv_weight(q_weight, groups)
+    rows = _conv_weight_rows(q_weight, groups)
+    # Zero padding is the quantized value of 0.0, i.e. the zero point; the column sums remove it again.
+    padded = _pad_with(xq, padding, zp_signed)
     accs = []
     for g in range(groups):
-        cols = _im2col_int8(xq[:, g * cin_g : (g + 1) * cin_g], (kh, kw), (h_out, w_out), stride, padding, dilation, zp_signed)
-        accs.append(int_mm_padded(cols, mats[g], per_group))
-    acc = torch.cat(accs, dim=1) - zp_signed * col_sums[None, :]
+        cols = _im2col_int8(padded[:, g * cin_g : (g + 1) * cin_g], (kh, kw), (h_out, w_out), stride, dilation)
+        accs.append(int_mm_padded(cols, rows[g], per_group))
+    acc = torch.cat(accs, dim=1) - zp_signed * weight_column_sums(q_weight)[None, :]
     y = acc.to(torch.float32) * (scale * w_scale.to(torch.float32))[None, :]
     if bias is not None:
         y = y + bias.to(torch.float32)

@@ -14,6 +14,7 @@ backend and path served each call made in the current thread.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -148,6 +149,12 @@ def _registered() -> bool:
 if _registered():
     _linear_op = torch.ops.int8_accel.linear
     _conv2d_op = torch.ops.int8_accel.conv2d
+elif not hasattr(torch.library, "custom_op"):  # PyTorch before 2.4
+    logging.getLogger("int8_accel.kernels").warning(
+        "int8-accel: this PyTorch (%s) has no torch.library.custom_op (PyTorch 2.4+): the INT8 ops run as plain "
+        "functions, so torch.compile traces into them (expect graph breaks) and CUDA graphs may not capture them",
+        torch.__version__)
+    _linear_op, _conv2d_op = _linear_impl, _conv2d_impl
 else:
 
     @torch.library.custom_op("int8_accel::linear", mutates_args=())

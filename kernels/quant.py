@@ -34,7 +34,8 @@ def cpu_has_int8_dot_product() -> bool:
     except OSError:
         pass
     # Without /proc/cpuinfo only the AMX capability level guarantees an int8 dot product.
-    return torch.backends.cpu.get_cpu_capability().upper().startswith("AMX")
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", None)  # PyTorch 2.1+
+    return capability is not None and capability().upper().startswith("AMX")
 
 
 WEIGHT_BITS_ENV = "INT8_ACCEL_WEIGHT_BITS"
@@ -87,6 +88,21 @@ def dequantize_weight(q_weight: torch.Tensor, w_scale: torch.Tensor, dtype: torc
     return (q_weight.to(torch.float32) * _per_row_view(w_scale.to(torch.float32), q_weight.ndim)).to(dtype)
 
 
+def true_divide(numerator: torch.Tensor | float, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator as an IEEE division on every device, as tensors.
+
+    `tensor / python_scalar` is a multiplication by the scalar's reciprocal on CUDA (a division on the CPU) and
+    `scalar / tensor` is `scalar * reciprocal(tensor)`; both round differently from a division. The activation
+    quantizers divide only through this, and the Triton kernels use `div_rn`, so every backend on every device
+    computes the same scales bit for bit.
+    """
+    if not isinstance(numerator, torch.Tensor):
+        numerator = torch.full_like(denominator, numerator)
+    elif not isinstance(denominator, torch.Tensor):
+        denominator = torch.full_like(numerator, denominator)
+    return torch.div(numerator, denominator)
+
+
 def round_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token activation quantization before the integer cast: float [M, K] -> (float32 integers in
     [-127, 127], float32 scale [M, 1]).
@@ -96,8 +112,8 @@ def round_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     x = x2d.to(torch.float32)
     amax = x.abs().amax(dim=1, keepdim=True)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    inv_scale = torch.full_like(safe, ACT_QMAX) / safe  # a true division (`127 / t` is 127 * reciprocal(t))
-    return torch.floor(x * inv_scale + 0.5).clamp_(-ACT_QMAX, ACT_QMAX), safe / ACT_QMAX
+    inv_scale = true_divide(ACT_QMAX, safe)
+    return torch.floor(x * inv_scale + 0.5).clamp_(-ACT_QMAX, ACT_QMAX), true_divide(safe, ACT_QMAX)
 
 
 def quantize_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,20 +122,24 @@ def quantize_rows_symmetric(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q.to(torch.int8), scale[:, 0]
 
 
-def affine_qparams(x: torch.Tensor) -> tuple[float, int]:
-    """Per-tensor uint8 affine parameters (scale, zero point) covering [min(x, 0), max(x, 0)]."""
+def affine_qparams(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor uint8 affine parameters covering [min(x, 0), max(x, 0)], computed on x's device with no host
+    read: (scale, zero point), both 0-d float32 tensors; the zero point holds an integer in [0, 255]."""
     lo, hi = torch.aminmax(x.detach().to(torch.float32))
-    lo = min(float(lo), 0.0)
-    hi = max(float(hi), 0.0)
-    if hi == lo:
-        return 1.0, 0
-    scale = (hi - lo) / 255.0
-    zero_point = int(min(max(round(-lo / scale), 0), 255))
+    lo = lo.clamp(max=0.0)
+    span = hi.clamp(min=0.0) - lo
+    scale = torch.where(span > 0, true_divide(span, 255.0), torch.ones_like(span))
+    zero_point = torch.round(true_divide(-lo, scale)).clamp_(0, 255)
     return scale, zero_point
 
 
-def quantize_affine_uint8(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
-    return torch.round(x.to(torch.float32) * (1.0 / scale) + zero_point).clamp_(0, 255).to(torch.uint8)
+def round_affine(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """float32 integers in [0, 255]: x quantized with `affine_qparams`' 0-d scale and zero point."""
+    return torch.round(x.to(torch.float32) * true_divide(1.0, scale) + zero_point).clamp_(0, 255)
+
+
+def quantize_affine_uint8(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    return round_affine(x, scale, zero_point).to(torch.uint8)
 
 
 def as_contiguous(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from .cuda import int_mm_padded, prepared_linear_weight, quantize_conv_input
+from .cuda import int_mm_padded, prepared_linear_weight, quantize_conv_input, weight_column_sums
 
 
 def _kernels() -> ModuleType:
@@ -25,6 +25,8 @@ def available() -> str | None:
     triton_kernels = _kernels()
     if not triton_kernels.AVAILABLE:
         return "triton is not importable"
+    if triton_kernels.TOO_OLD:
+        return triton_kernels.TOO_OLD
     if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
         return "Triton needs a CUDA GPU (or TRITON_INTERPRET=1 set before triton is first imported)"
     return None
@@ -44,5 +46,6 @@ def linear(
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     xq, zp_signed, scale = quantize_conv_input(x)
-    y = _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, w_scale, bias, stride, padding, dilation, groups)
+    y = _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, weight_column_sums(q_weight), w_scale, bias, stride,
+                               padding, dilation, groups)
     return y.to(x.dtype)

@@ -4,6 +4,11 @@ Guarded: AVAILABLE is False when triton is not importable (the package still imp
 itself unavailable). With TRITON_INTERPRET=1 in the environment *before triton is first imported* the kernels
 run on CPU tensors (that is how the tests check them without a GPU). INTERPRETED records which mode the kernels
 were built in.
+
+The kernels reproduce the torch formulas of `quant` bit for bit on the GPU too: divisions are IEEE (`div_rn`;
+Triton's `/` on float32 is an approximate division there), and every launch passes `enable_fp_fusion=False` so
+no multiply-add is contracted into an FMA that torch's separate kernels do not use. Scalars that live on the
+device (the conv's activation scale and zero point) are passed as pointers, never read on the host.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import os
 import torch
 
 from .quant import conv_output_shape
-from .weight_cache import CACHE
 
 try:
     import triton
@@ -25,16 +29,22 @@ except ImportError:  # the package must import without triton
     tl = None
     AVAILABLE = False
 
+
 def _interpreted() -> bool:
     if not AVAILABLE:
         return False
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton releases before `triton.knobs`
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # Triton releases before `triton.knobs`
+        return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 INTERPRETED = _interpreted()
+# Launch option: no FMA contraction (see the module docstring).
+EXACT = {"enable_fp_fusion": False}
+# The kernels need `tl.math.div_rn` (Triton 3.0, the release PyTorch 2.4 ships with).
+TOO_OLD = None if not AVAILABLE or hasattr(tl.math, "div_rn") else (
+    f"this Triton ({getattr(triton, '__version__', '?')}) has no tl.math.div_rn: Triton 3.0 or newer is needed")
 
 if AVAILABLE:
 
@@ -50,14 +60,14 @@ if AVAILABLE:
             v = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
         safe = tl.where(amax > 0, amax, 1.0)
-        inv_scale = 127.0 / safe
+        inv_scale = tl.math.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), safe)
         for k0 in range(0, K, BLOCK_K):
             mask = row_mask[:, None] & ((k0 + cols) < K)[None, :]
             v = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
             q = tl.floor(v * inv_scale[:, None] + 0.5)
             q = tl.minimum(tl.maximum(q, -127.0), 127.0)
             tl.store(q_ptr + rows[:, None] * stride_qm + (k0 + cols)[None, :], q.to(tl.int8), mask=mask)
-        tl.store(scale_ptr + rows, safe / 127.0, mask=row_mask)
+        tl.store(scale_ptr + rows, tl.math.div_rn(safe, tl.full([BLOCK_M], 127.0, tl.float32)), mask=row_mask)
 
     @triton.jit
     def _rescale_kernel(acc_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_om,
@@ -75,8 +85,7 @@ if AVAILABLE:
 
     @triton.jit
     def _conv2d_int8_kernel(
-        x_ptr, w_ptr, col_sum_ptr, w_scale_ptr, bias_ptr, out_ptr,
-        x_zero_point, x_scale,
+        x_ptr, w_ptr, col_sum_ptr, w_scale_ptr, bias_ptr, out_ptr, x_zero_point_ptr, x_scale_ptr,
         B, C_in, H, W, C_out, H_out, W_out, C_in_g, C_out_g, K,
         stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
         KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -96,6 +105,8 @@ if AVAILABLE:
         oh = pix // W_out
         ow = pix % W_out
         co = group * C_out_g + offs_n
+        x_zero_point = tl.load(x_zero_point_ptr)
+        x_scale = tl.load(x_scale_ptr)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -135,7 +146,8 @@ def quantize_rows(x2d: torch.Tensor, block_m: int = 64, block_k: int = 128) -> t
     m, k = x2d.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x2d.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
-    _quantize_rows_kernel[(triton.cdiv(m, block_m),)](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), BLOCK_M=block_m, BLOCK_K=block_k)
+    _quantize_rows_kernel[(triton.cdiv(m, block_m),)](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), BLOCK_M=block_m,
+                                                      BLOCK_K=block_k, **EXACT)  # fmt: skip
     return q, scale
 
 
@@ -148,26 +160,24 @@ def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
     bias_arg = col_scale if bias is None else bias.contiguous()
     grid = (triton.cdiv(m, 128), triton.cdiv(n, 128))
     _rescale_kernel[grid](acc, row_scale.contiguous(), col_scale, bias_arg, out, m, n, acc.stride(0), out.stride(0),
-                          HAS_BIAS=bias is not None, BLOCK_M=128, BLOCK_N=128)  # fmt: skip
+                          HAS_BIAS=bias is not None, BLOCK_M=128, BLOCK_N=128, **EXACT)  # fmt: skip
     return out
 
 
-def conv2d_int8(x_q: torch.Tensor, x_zero_point: int, x_scale: float, q_weight: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None, stride: list[int], padding: list[int], dilation: list[int],
-                groups: int) -> torch.Tensor:  # fmt: skip
-    """Implicit-GEMM INT8 conv on signed int8 NCHW activations with a zero point; fp32 NCHW output."""
+def conv2d_int8(x_q: torch.Tensor, x_zero_point: torch.Tensor, x_scale: torch.Tensor, q_weight: torch.Tensor,
+                col_sum: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
+                padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
+    """Implicit-GEMM INT8 conv on signed int8 NCHW activations with a zero point; fp32 NCHW output.
+
+    `x_zero_point` (int32) and `x_scale` (float32) are 0-d tensors on the device; `col_sum` is the int32 sum of
+    each output channel's weights."""
     _require()
     x_q = x_q.contiguous()
     b, c_in, h, w = x_q.shape
     c_out, c_in_g, kh, kw = q_weight.shape
     _, _, h_out, w_out = conv_output_shape(x_q.shape, q_weight.shape, stride, padding, dilation)
     k = c_in_g * kh * kw
-
-    def build():
-        w2d = q_weight.reshape(c_out, k).contiguous()
-        return w2d, w2d.to(torch.int32).sum(dim=1)
-
-    w2d, col_sum = CACHE.get(q_weight, None, "triton-conv", build)
+    w2d = q_weight.reshape(c_out, k).contiguous()  # the weight's own memory for a contiguous weight
     out = torch.empty((b, c_out, h_out, w_out), dtype=torch.float32, device=x_q.device)
     c_out_g = c_out // groups
     block_m, block_k = 128, 64
@@ -176,9 +186,9 @@ def conv2d_int8(x_q: torch.Tensor, x_zero_point: int, x_scale: float, q_weight: 
     w_scale32 = w_scale.to(torch.float32).contiguous()
     _conv2d_int8_kernel[grid](
         x_q, w2d, col_sum, w_scale32, w_scale32 if bias is None else bias.contiguous(), out,
-        int(x_zero_point), float(x_scale),
+        x_zero_point, x_scale,
         b, c_in, h, w, c_out, h_out, w_out, c_in_g, c_out_g, k,
         stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
-        KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **EXACT,
     )  # fmt: skip
     return out

@@ -13,11 +13,12 @@ SHARED = REPO_ROOT.parent / "shared"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.support.comfy_host import import_comfy, load_pack  # noqa: E402
+from tests.support.comfy_host import import_comfy, load_pack, tests_on_gpu  # noqa: E402
 
 # Triton's interpreter must be chosen before triton is first imported (the CUDA-path kernels are tested on
-# CPU tensors through it); nothing here has a GPU, so the interpreter is the only way Triton can run.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# CPU tensors through it). The GPU suite (`make test-gpu`, INT8_ACCEL_TESTS_ON_GPU=1) runs Triton compiled.
+if not tests_on_gpu():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Calibration's speed gate times each layer on this (shared, often busy) machine, so the layers it keeps vary
 # from run to run; tests that compare INT8 results need a fixed choice and turn it off (the servers inherit
 # this). The gate's own tests turn it on.

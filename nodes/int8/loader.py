@@ -14,11 +14,13 @@ and only the small `weight_scale` / `comfy_quant` entries are kept aside for lay
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping
 
 import comfy.model_management
 import comfy.ops
+import comfy.patcher_extension
 import comfy.sd
 import comfy.utils
 import torch
@@ -26,12 +28,16 @@ import torch
 from ...kernels import weight_qmax
 from ..layers import layer_kind
 from .checkpoint import int8_layer_names, read_int8_layer
-from .modules import Int8Conv2d, Int8Linear, _Int8Layer
+from .modules import Int8Conv2d, Int8Linear, _Int8Layer, refresh_int8_weights
 from .plan import int8_module_bytes
 
 log = logging.getLogger("int8_accel.int8")
 _SIDE_KEYS = ("weight_scale", "comfy_quant")  # what an INT8 layer has beyond a float layer's weight and bias
 _LAYER_KEYS = ("weight", "bias", *_SIDE_KEYS)
+CALLBACK_KEY = "int8_accel_resident"
+# Where ComfyUI may have rewritten weights in place (`.data.copy_()`): after loading (patches, restores), before
+# each sampling run (hook backups restored at the last cleanup) and after applying hooks.
+_WEIGHT_WRITE_CALLBACKS = ("ON_LOAD", "ON_PRE_RUN", "ON_APPLY_HOOKS")
 
 
 def _placeholder(shape, device, dtype) -> torch.nn.Parameter:
@@ -188,6 +194,10 @@ def _honour_manual_cast(base_model) -> None:
             module.comfy_cast_weights = True
 
 
+def _refresh_after_weight_writes(patcher, *args, **kwargs) -> None:
+    refresh_int8_weights(patcher.model.diffusion_model)
+
+
 def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
                          model_options: dict | None = None):
     """A ModelPatcher for a diffusion-model state dict in ComfyUI's INT8 format (plain float files load too).
@@ -202,8 +212,10 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
             f"layer.{suffix}": sd[f"{key}.{suffix}"] for suffix in _SIDE_KEYS if f"{key}.{suffix}" in sd}
     options = dict(model_options or {})
     options["custom_operations"] = int8_operations(options.get("custom_operations") or comfy.ops.disable_weight_init)
-    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options,
-                                                        metadata=dict(metadata) if metadata else None)
+    extra = {}
+    if "metadata" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters:  # newer ComfyUI only
+        extra["metadata"] = dict(metadata) if metadata else None
+    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, **extra)
     if patcher is None:
         raise ValueError("could not detect the model type of this diffusion-model state dict")
     diffusion_model = patcher.model.diffusion_model
@@ -213,6 +225,9 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
         raise ValueError(f"{len(failed)} INT8 entries of the file are not Linear/Conv2d layers of this model, so "
                          f"they cannot run in INT8: {sorted(failed)[:5]}")
     _honour_manual_cast(patcher.model)
+    for name in _WEIGHT_WRITE_CALLBACKS:
+        patcher.add_callback_with_key(getattr(comfy.patcher_extension.CallbacksMP, name), CALLBACK_KEY,
+                                      _refresh_after_weight_writes)
     log.info("int8-accel: %s", resident_memory_line(patcher))
     return patcher
 

@@ -12,7 +12,14 @@ import comfy.ops
 import torch
 from torch.nn.modules.utils import _pair
 
-from ...kernels import dequantize_weight, int8_conv2d, int8_linear, quantize_weight_per_channel, weight_qmax
+from ...kernels import (
+    dequantize_weight,
+    int8_conv2d,
+    int8_linear,
+    quantize_weight_per_channel,
+    weight_changed,
+    weight_qmax,
+)
 from ..layers import layer_kind, patches_in_forward
 
 
@@ -81,6 +88,7 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
             view = scale.view(-1, *([1] * (weight.ndim - 1)))
             q_weight = torch.clamp(torch.round(weight.float() / view), -self.qmax, self.qmax).to(torch.int8)
             self.weight.data.copy_(q_weight)
+            weight_changed(self.weight)
             self._buffers["weight_scale"] = self.base_weight_scale.to(self.weight.device)
             return None
         q_weight, scale = quantize_weight_per_channel(weight.float(), self.qmax)
@@ -167,6 +175,17 @@ class Int8Conv2d(_Int8Layer):
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
                 f"padding={self.padding}, groups={self.groups}, qmax={self.qmax}")
+
+
+def refresh_int8_weights(root: torch.nn.Module) -> None:
+    """Rebuild the kernels' derived forms of every INT8 layer under `root` whose weight is off the CPU.
+
+    ComfyUI restores and hook-patches weights with `param.data.copy_()`, which no version counter sees, and off
+    the CPU the kernels' weight cache does not checksum weights (that would wait for the device on every
+    call). Call this after ComfyUI may have written weights that way; on the CPU the checksum notices them."""
+    for module in root.modules():
+        if isinstance(module, _Int8Layer) and module.weight.device.type != "cpu":
+            weight_changed(module.weight)
 
 
 def is_quantizable(module: torch.nn.Module) -> str | None:

@@ -20,14 +20,28 @@ def comfyui_path() -> Path:
     return path.resolve()
 
 
+# Set by `make test-gpu`: where CUDA is available, ComfyUI picks its device itself (the GPU) instead of being
+# forced to the CPU.
+ON_GPU_ENV = "INT8_ACCEL_TESTS_ON_GPU"
+
+
+def tests_on_gpu() -> bool:
+    if os.environ.get(ON_GPU_ENV) != "1":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def import_comfy() -> Path:
-    """Put ComfyUI on sys.path and force CPU mode before comfy.model_management is imported."""
+    """Put ComfyUI on sys.path and force CPU mode (unless INT8_ACCEL_TESTS_ON_GPU=1) before
+    comfy.model_management is imported."""
     root = comfyui_path()
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     import comfy.cli_args
 
-    comfy.cli_args.args.cpu = True
+    comfy.cli_args.args.cpu = not tests_on_gpu()
     comfy.cli_args.args.disable_all_custom_nodes = True
     import comfy.model_management  # noqa: F401
 

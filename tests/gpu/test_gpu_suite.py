@@ -1,0 +1,231 @@
+"""The GPU suite (`make test-gpu`): the INT8 CUDA path on a real NVIDIA GPU.
+
+Kernel results against their definition and the reference at fp16/bf16, weight-cache hits, no host sync in an
+INT8 layer's forward (`torch.cuda.set_sync_debug_mode("error")`), CUDA-graph capture and replay of a quantized
+block (also after an in-place LoRA), and the Compile Model node's recompile counts across a LoRA strength
+change and two resolutions. Without CUDA the whole module skips with one line; it needs INT8_ACCEL_TESTS_ON_GPU=1
+(set by `make test-gpu`) so that ComfyUI runs on the GPU and Triton runs compiled, not interpreted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the GPU suite needs an NVIDIA GPU (make test-gpu)", allow_module_level=True)
+if os.environ.get("INT8_ACCEL_TESTS_ON_GPU") != "1":
+    pytest.skip("the GPU suite runs through `make test-gpu` (ComfyUI on the GPU, Triton compiled)",
+                allow_module_level=True)
+
+from comfyui_int8_accel.kernels import cuda as cuda_backend  # noqa: E402
+from comfyui_int8_accel.kernels import (  # noqa: E402
+    force_backend,
+    int8_conv2d,
+    int8_linear,
+    normalized_mse,
+    ops,
+    quantize_weight_per_channel,
+    record_calls,
+    weight_changed,
+)
+from comfyui_int8_accel.kernels.weight_cache import CACHE  # noqa: E402
+from tests.support.int8_exact import exact_conv, exact_linear  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+TRITON = ops.backend_unavailable_reason("triton")
+BACKENDS = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}"))]
+HALF = [torch.float16, torch.bfloat16]
+QMAX = {8: 127, 7: 63}
+
+
+def weights(shape, bits: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) / (torch.Size(shape[1:]).numel() ** 0.5)
+    q, s = quantize_weight_per_channel(w, QMAX[bits])
+    return q.to(DEVICE), s.to(DEVICE), torch.randn(shape[0], generator=g).to(DEVICE)
+
+
+def run(backend: str, fn, *args):
+    op = "linear" if fn is int8_linear else "conv2d"
+    with force_backend(backend), record_calls() as calls:
+        y = fn(*args)
+    assert calls == {(op, backend, "int8"): 1}
+    return y
+
+
+@pytest.fixture(scope="module")
+def int8_modules(pack):
+    return importlib.import_module("comfyui_int8_accel.nodes.int8.modules")
+
+
+def test_triton_runs_compiled():
+    from comfyui_int8_accel.kernels import triton_kernels
+
+    assert not triton_kernels.INTERPRETED, "TRITON_INTERPRET=1 is set: unset it (make test-gpu does)"
+    assert ops.backend_for(DEVICE) == ("triton" if TRITON is None else "cuda")
+
+
+# ---- kernels against their definition and the reference ------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [7, 8])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("x_shape,n", [((2, 77, 768), 320), ((2, 4096, 320), 1280), ((1, 4096, 3072), 3072),
+                                       ((16, 100), 36), ((1, 5, 64), 64)])  # fmt: skip
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_matches_its_definition(backend, x_shape, n, dtype, bits):
+    q, s, b = weights((n, x_shape[-1]), bits)
+    x = (torch.randn(*x_shape, device=DEVICE) * 2).to(dtype)
+    y = run(backend, int8_linear, x, q, s, b.to(dtype))
+    assert y.dtype == dtype and y.shape == (*x_shape[:-1], n)
+    assert torch.equal(y, exact_linear(x, q, s, b.to(dtype)))  # IEEE divisions, no FMA: exact on the GPU too
+    assert normalized_mse(y, run("reference", int8_linear, x, q, s, b.to(dtype))) < 1e-4
+
+
+@pytest.mark.parametrize("bits", [7, 8])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize(
+    "x_shape,cout,kernel,stride,padding,groups",
+    [((2, 320, 32, 32), 320, 3, 1, 1, 1), ((2, 4, 32, 32), 320, 3, 1, 1, 1), ((1, 640, 16, 16), 640, 3, 2, 1, 1),
+     ((2, 1280, 8, 8), 1280, 1, 1, 0, 1), ((1, 64, 20, 20), 64, 3, 1, 1, 4)],
+)  # fmt: skip
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conv_matches_its_definition(backend, x_shape, cout, kernel, stride, padding, groups, dtype, bits):
+    q, s, b = weights((cout, x_shape[1] // groups, kernel, kernel), bits)
+    x = (torch.randn(*x_shape, device=DEVICE).relu() - 0.25).to(dtype)
+    args = (x, q, s, b.to(dtype), [stride] * 2, [padding] * 2, [1, 1], groups)
+    y = run(backend, int8_conv2d, *args)
+    assert y.dtype == dtype and y.is_contiguous()
+    assert torch.equal(y, exact_conv(*args))
+    assert normalized_mse(y, run("reference", int8_conv2d, *args)) < 1e-4
+
+
+# ---- weight cache ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_are_prepared_once_per_version(backend):
+    q, s, b = weights((36, 100), seed=1)  # not multiples of 8: padded rows
+    cq, cs, cb = weights((320, 4, 3, 3), seed=2)  # the 4-channel input conv: K = 36
+    aq, as_, ab = weights((320, 768), seed=3)  # aligned: used as it is
+    x, cx, ax = (torch.randn(40, 100, device=DEVICE, dtype=torch.float16), torch.randn(2, 4, 32, 32, device=DEVICE),
+                 torch.randn(2, 77, 768, device=DEVICE, dtype=torch.bfloat16))  # fmt: skip
+    before = CACHE.builds.copy()
+    for _ in range(3):
+        run(backend, int8_linear, x, q, s, b.half())
+        cy = run(backend, int8_conv2d, cx, cq, cs, cb, 1, 1)
+        run(backend, int8_linear, ax, aq, as_, ab.bfloat16())
+    expected = Counter({"int-mm-linear": 1, "column-sums": 1})
+    if backend == "cuda":
+        expected["int-mm-conv-g1"] = 1
+    assert CACHE.builds - before == expected
+    assert cuda_backend.prepared_linear_weight(aq) is aq
+
+    sums = cuda_backend.weight_column_sums(cq)
+    cq.data.copy_(-cq)  # what ComfyUI's restores do; the writer announces it
+    weight_changed(cq)
+    assert cuda_backend.weight_column_sums(cq) is sums  # rebuilt in place: captured graphs stay valid
+    assert torch.equal(run(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), exact_conv(cx, cq, cs, cb, 1, 1, 1, 1))
+    assert not torch.equal(run(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), cy)
+
+
+# ---- no host sync, CUDA graphs --------------------------------------------------------------------------------
+
+
+def _block(int8_modules, dtype, seed: int = 0):
+    """Int8Conv2d (4 -> 40 channels: padded rows and column sums) -> SiLU -> tokens -> Int8Linear (40 -> 100)."""
+    torch.manual_seed(seed)
+    conv = int8_modules.Int8Conv2d.from_float(torch.nn.Conv2d(4, 40, 3, padding=1).to(DEVICE, dtype))
+    linear = int8_modules.Int8Linear.from_float(torch.nn.Linear(40, 100).to(DEVICE, dtype))
+
+    def forward(x):
+        return linear(torch.nn.functional.silu(conv(x)).flatten(2).transpose(1, 2))
+
+    return conv, linear, forward
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_layers_never_sync_with_the_host(backend, dtype, int8_modules):
+    _, _, forward = _block(int8_modules, dtype)
+    x = torch.randn(2, 4, 24, 24, device=DEVICE, dtype=dtype)
+    with force_backend(backend), record_calls() as calls:
+        forward(x)  # warm-up: Triton compiles, the weight cache builds
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = forward(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert y.shape == (2, 24 * 24, 100)
+    assert calls == {("conv2d", backend, "int8"): 2, ("linear", backend, "int8"): 2}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_quantized_block_is_captured_in_a_cuda_graph(backend, int8_modules):
+    conv, _, forward = _block(int8_modules, torch.float16, seed=1)
+    static_x = torch.randn(2, 4, 24, 24, device=DEVICE, dtype=torch.float16)
+    with force_backend(backend):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up outside the capture, as PyTorch's CUDA-graph notes ask
+                forward(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = forward(static_x)
+        for seed in range(3):
+            static_x.copy_(torch.randn(2, 4, 24, 24, generator=torch.Generator().manual_seed(seed)).to(DEVICE))
+            graph.replay()
+            assert torch.equal(static_y, forward(static_x))
+        # An in-place LoRA (ComfyUI's hook patching): the layer rewrites its weight and its derived forms in the
+        # memory the graph captured, so the replay computes with the new weight.
+        patched = conv.weight.float() * conv.weight_scale[:, None, None, None] * 1.5
+        conv.set_weight(patched, inplace_update=True)
+        graph.replay()
+        eager = forward(static_x)
+    assert torch.equal(static_y, eager)
+
+
+# ---- Compile Model: recompiles ---------------------------------------------------------------------------------
+
+
+def test_compile_model_recompiles_once_per_shape_family_and_never_for_a_lora(pack):
+    import comfy.model_management
+    from torch._dynamo.utils import counters
+
+    from tests.support.lora import apply_lora, make_lora
+    from tests.support.tiny_models import build_tiny_model, sample
+
+    if comfy.model_management.get_torch_device().type != "cuda":
+        pytest.skip("ComfyUI runs on the CPU in this process (INT8_ACCEL_TESTS_ON_GPU=1 was set after it started)")
+    compile_core = importlib.import_module("comfyui_int8_accel.nodes.compile")
+    model = build_tiny_model("sd15", seed=5)
+    compiled = compile_core.compile_model(model, compile_core.CompileSettings())
+    lora = make_lora(model, layers=6)
+
+    def graphs() -> int:
+        return counters["stats"]["unique_graphs"]
+
+    torch._dynamo.reset()
+    counters.clear()
+    first = sample(compiled, "sd15", steps=2, height=64, width=64)
+    assert torch.isfinite(first).all()
+    first_family = graphs()
+    for strength in (1.0, 0.5):
+        sample(apply_lora(compiled, lora, strength), "sd15", steps=2, height=64, width=64)
+    assert graphs() == first_family, f"a LoRA or its strength recompiled: {dict(counters['stats'])}"
+    sample(compiled, "sd15", steps=2, height=96, width=64)
+    second_family = graphs() - first_family
+    assert second_family <= max(first_family, 1), f"a new resolution compiled more than once per region: {dict(counters['stats'])}"
+    known = graphs()
+    for height in (64, 96):
+        sample(apply_lora(compiled, lora, 0.5), "sd15", steps=2, height=height, width=64)
+    assert graphs() == known, f"a known resolution or LoRA recompiled: {dict(counters['stats'])}"
