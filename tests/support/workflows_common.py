@@ -55,7 +55,7 @@ def workflow_checkpoints(comfy_root, sd15_checkpoint) -> list[str]:
 
 
 # --- the INT8 file the save workflow writes and the load workflow reads ------------------------------------
-RESIDENT_RE = re.compile(r"loaded (\d+) Linear and (\d+) Conv2d layers as resident INT8")
+RESIDENT_RE = re.compile(r"(\d+) Linear and (\d+) Conv2d layers resident in INT8")
 
 
 def int8_file_name() -> str:
