@@ -2,7 +2,8 @@
 
 Reports the UNet step time ratio (median of steady steps, CFG batch of 2), the whole-image ratio
 (sampling + VAE decode) and the PSNR of the INT8 image and latent against the fp32 ones.
-    python bench/bench_int8.py [--size 512] [--steps 20] [--repeats 2] [--quick]
+    python bench/bench_int8.py [--size 512] [--steps 20] [--repeats 2] [--quick] [--density-only]
+--density-only: just calibrate with the speed gate on every layer and write bench/results/int8_speed_gate.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="256x256, 6 steps, 1 repeat")
+    parser.add_argument("--density-only", action="store_true", help="only the speed gate's timings by density")
     args = parser.parse_args()
     if args.quick:
         args.size, args.steps, args.repeats = 256, 6, 1
@@ -44,6 +46,8 @@ def main() -> None:
         "INT8 density 0, mse 1, speed gate": (every_layer, gate_on),
         "INT8 every eligible layer (mse 1, density 0, no speed gate)": (every_layer, gate_off),
     }
+    if args.density_only:
+        plans = {name: plan for name, plan in plans.items() if name == "INT8 density 0, mse 1, speed gate"}
     variants = {"fp32 baseline": model}
     variants.update({name: int8.apply_int8(model, settings)[0] for name, (settings, _) in plans.items()})
     # Calibrate once outside the timed runs (the decision is cached); report how long it took. The speed gate is
@@ -53,6 +57,9 @@ def main() -> None:
         os.environ["INT8_ACCEL_SPEED_GATE"] = gate
         run = timed_sample(variants[name], vae, positive, negative, size=args.size, steps=2, decode=False)
         calibration[name] = run.step_seconds[0]
+    if args.density_only:
+        write_density_table(plan_of(variants["INT8 density 0, mse 1, speed gate"]).last_result, args.size)
+        return
 
     runs = {name: [] for name in variants}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits every variant alike
