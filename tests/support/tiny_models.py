@@ -84,6 +84,11 @@ TINY_DITS = {
         "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "cap_feat_dim": 64, "n_layers": 6,
         "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2, "multiple_of": 16, "axes_dims": [8, 12, 12],
         "axes_lens": [300, 512, 512], "rope_theta": 10000.0, "ffn_dim_multiplier": 4.0, "qk_norm": True}),
+    "zimage": ("ZImage", {  # Lumina 2's model class with Z-Image's modulation (its time embedding needs dim >= 256)
+        "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 256, "cap_feat_dim": 64, "n_layers": 5,
+        "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 4, "multiple_of": 16, "axes_dims": [16, 24, 24],
+        "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0, "qk_norm": True,
+        "z_image_modulation": True, "time_scale": 1000.0}),
     "hidream": ("HiDream", {
         "image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
         "num_single_layers": 3, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": [64, 64],
@@ -103,7 +108,7 @@ TINY_DITS = {
 # latent (channels, pixels per latent pixel, frames): frames None is a 4-D image latent
 LATENTS = {"sd15": (4, 8, None), "sdxl": (4, 8, None), "flux": (16, 8, None), "sd3": (16, 8, None),
            "wan21": (16, 8, 2), "wan22": (48, 16, 2), "hunyuan_video": (16, 8, 2), "qwen_image": (16, 8, 1),
-           "chroma": (16, 8, None), "lumina2": (16, 8, None), "hidream": (16, 8, None),
+           "chroma": (16, 8, None), "lumina2": (16, 8, None), "zimage": (16, 8, None), "hidream": (16, 8, None),
            "cosmos_predict2": (16, 8, 2), "ltxv": (128, 32, 2)}
 VIDEO_KINDS = [kind for kind, (_, _, frames) in LATENTS.items() if frames is not None and frames > 1]
 
@@ -161,17 +166,21 @@ def tiny_model_config(kind: str):
     return cfg
 
 
-def build_tiny_model(kind: str = "sd15", seed: int = 0, weight_std: float = 0.02):
-    """A ModelPatcher around a tiny `kind` model (a key of LATENTS) on the CPU, fp32, weights N(0, weight_std)."""
+def build_random_model(cfg, seed: int = 0, weight_std: float = 0.02):
+    """A ModelPatcher around the model of ComfyUI model config `cfg`, fp32, random weights N(0, weight_std)."""
     import comfy.model_management
     import comfy.model_patcher
 
-    cfg = tiny_model_config(kind)
     cfg.set_inference_dtype(torch.float32, None)
     base = cfg.get_model({})
     _fill_weights(base, seed, weight_std)
     device = comfy.model_management.get_torch_device()
     return comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=torch.device("cpu"))
+
+
+def build_tiny_model(kind: str = "sd15", seed: int = 0, weight_std: float = 0.02):
+    """A ModelPatcher around a tiny `kind` model (a key of LATENTS) on the CPU, fp32, weights N(0, weight_std)."""
+    return build_random_model(tiny_model_config(kind), seed, weight_std)
 
 
 def make_conditioning(kind: str, batch: int = 1, tokens: int = 8, seed: int = 1,
