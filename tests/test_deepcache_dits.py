@@ -197,6 +197,32 @@ def test_deepest_setting_and_the_first_too_deep_one(deepcache):
         deepcache.apply_deepcache(model, 2, 3)
 
 
+@pytest.mark.parametrize("kind", ["wan21", "hidream"])  # one family of each way in: block patches, block list
+def test_a_second_deepcache_node_replaces_the_first(deepcache, kind):
+    model = tiny(kind)
+    twice = deepcache.apply_deepcache(deepcache.apply_deepcache(model, 3, 1), 1, 1)
+    assert torch.equal(sample(twice, kind, steps=4), sample(model, kind, steps=4))
+
+
+@pytest.mark.parametrize("kind", ["wan21", "hidream"])
+def test_runs_next_to_comfyui_easycache(deepcache, kind):
+    """EasyCache answers some model calls without running the model: DeepCache must take that in its stride."""
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    model = tiny(kind)
+
+    def easycache(m):
+        return EasyCacheNode.execute(m, 2.0, 0.15, 0.95, False).result[0]
+
+    with BlockRecorder(model, kind) as deepcache_alone:
+        sample(deepcache.apply_deepcache(model, 2, 1), kind, steps=8)
+    for chain in (easycache(deepcache.apply_deepcache(model, 2, 1)), deepcache.apply_deepcache(easycache(model), 2, 1)):
+        with BlockRecorder(model, kind) as rec:
+            out = sample(chain, kind, steps=8)
+        assert torch.isfinite(out).all()
+        assert rec.forwards < deepcache_alone.forwards  # EasyCache skipped some calls on top
+
+
 # --- a model DeepCache cannot cache: the person sees it --------------------------------------------------
 class TinyUnknownDiT(torch.nn.Module):
     """A diffusion transformer DeepCache has never heard of."""

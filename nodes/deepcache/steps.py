@@ -140,6 +140,7 @@ class DeepCacheRun:
         self.cached_steps = 0
         self.extra_evaluations = 0
         self.cache_misses = 0
+        self.blocks_reached = False  # some call of this run reached DeepCache's block-level code
 
     # --- sampler level -----------------------------------------------------------------------------
     def wrap_callback(self, callback: Callable | None) -> Callable:
@@ -270,7 +271,9 @@ def make_apply_model_wrapper(uncached_message: Callable[[object], str] | None) -
     """The APPLY_MODEL wrapper: one ModelCall per model call, made the active one while it runs.
 
     `uncached_message(diffusion_model)`, when given, is raised if a call that should have cached or reused deep
-    features never reached DeepCache's block-level code (the model ran its blocks some other way)."""
+    features did not reach DeepCache's block-level code and no call of the run has yet: the model runs its
+    blocks some other way. (Once blocks were reached, a call without them is one another wrapper answered
+    without running the model, as ComfyUI's EasyCache does.)"""
 
     def deepcache_apply_model(executor, *args, **kwargs):
         transformer_options = wrapper_arg(args, kwargs, 5, "transformer_options", None)
@@ -284,7 +287,9 @@ def make_apply_model_wrapper(uncached_message: Callable[[object], str] | None) -
         finally:
             _ACTIVE_RUN.reset(token)
             run.call = None
-        if uncached_message is not None and call.mode is not Mode.FULL and not call.blocks_seen:
+        if call.blocks_seen:
+            run.blocks_reached = True
+        elif uncached_message is not None and call.mode is not Mode.FULL and not run.blocks_reached:
             raise RuntimeError(uncached_message(executor.class_obj.diffusion_model))
         return out
 
