@@ -1,25 +1,39 @@
-"""DeepCache on the full-size SD1.5 architecture (random weights), CPU: sampling time and PSNR vs no cache.
+"""DeepCache side by side with ComfyUI's EasyCache: sampling speed-up and PSNR against the uncached model (CPU).
 
-Loads the random SD1.5 checkpoint in-process with ComfyUI's own loader, samples the same prompt and seed
-without DeepCache and with cache_interval 2, 3 and 5 (cache_depth 1), decodes each latent with the VAE and
-compares it with the uncached image. Configurations are interleaved round by round and the median time per
-configuration is reported, because the machine is shared.
+Two models with random weights:
+* sd15: the full-size SD1.5 architecture (the random checkpoint, loaded with ComfyUI's own loader); CFG 7;
+  PSNR of the VAE-decoded image (and of the latent);
+* flux: a Flux-shaped transformer at real width (hidden 3072, 24 heads, T5 and CLIP-L input widths, built through
+  ComfyUI's Flux model class) with a few blocks (--flux-blocks DOUBLE,SINGLE; the default 2,4 is about 1.1 B
+  parameters, 4.5 GB in fp32); guidance 3.5, cfg 1; PSNR of the latent (there is no VAE).
 
-Usage: .venv/bin/python bench/bench_deepcache.py [--quick] [--rounds N] [--out PATH]
-  default: 512x512, 20 steps, euler, writes bench/results/deepcache.md;
-  --quick: 256x256, 10 steps, prints the table only (unless --out is given).
+For each model: the baseline, DeepCache at cache_interval 2, 3 and 5 (cache_depth 1), and ComfyUI's EasyCache
+(its node with the node's default start/end percent, 0.15 / 0.95) at a sweep of reuse_threshold values.
+Configurations are interleaved round by round and the median time per configuration is reported; the speed-up
+used for matching is the ratio of process CPU times (other jobs on a shared machine disturb it much less than
+wall time). "Deep passes" counts how often a deep block ran (DeepCache: full steps; EasyCache: model calls it
+did not skip). The matched table puts each DeepCache setting next to EasyCache at the same speed-up (its PSNR
+interpolated along the sweep) and at the same PSNR (its speed-up interpolated).
+
+Usage: .venv/bin/python bench/bench_deepcache.py [--model sd15|flux|both] [--quick] [--rounds N]
+                                                [--thresholds T,T,...] [--flux-blocks D,S] [--out PATH]
+  default: both models; sd15 512x512 20 steps, flux 256x256 20 steps; 1 round; writes bench/results/deepcache.md
+  --quick: sd15 128x128 6 steps, flux 64x64 6 steps; prints the tables only (unless --out is given).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
+import math
 import os
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,125 +41,234 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.common import psnr  # noqa: E402
+
 INTERVALS = (2, 3, 5)
+THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2.0)
+EASYCACHE_START, EASYCACHE_END = 0.15, 0.95
 
 
-def psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
-    mse = float(((image.float() - reference.float()) ** 2).mean())
-    return float("inf") if mse == 0 else 10.0 * torch.log10(torch.tensor(1.0 / mse)).item()
+@dataclass
+class Workload:
+    name: str
+    model: object  # ModelPatcher
+    deep_block: torch.nn.Module  # runs only when the network runs in full
+    positive: list
+    negative: list
+    latent: torch.Tensor
+    steps: int
+    cfg: float
+    description: str
+    vae: object | None = None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="256x256, 10 steps: a fast sanity run")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2, quick 1)")
-    parser.add_argument("--depth", type=int, default=1, help="cache_depth for every DeepCache run")
-    parser.add_argument("--out", type=Path, default=None, help="markdown result file")
-    args = parser.parse_args()
-    size, steps = (256, 10) if args.quick else (512, 20)
-    rounds = args.rounds or (1 if args.quick else 2)
-    # a quick run only prints its table unless --out is given; the full run writes bench/results/deepcache.md
-    out_path = args.out or (None if args.quick else REPO_ROOT / "bench" / "results" / "deepcache.md")
+@dataclass
+class Result:
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    deep_passes: int = 0
+    latent: torch.Tensor | None = None
+    image: torch.Tensor | None = None
 
-    from tests.support.comfy_host import import_comfy, load_pack
 
-    comfy_root = import_comfy()
-    load_pack()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("int8_accel.deepcache").setLevel(logging.INFO)
-    import comfy.sample
+def sd15_workload(size: int, steps: int) -> Workload:
     import comfy.sd
 
     from scripts.make_checkpoint import DEFAULT_NAME, ensure_checkpoint
+    from tests.support.comfy_host import import_comfy
 
-    deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache")
-    ckpt = ensure_checkpoint(comfy_root)
+    ckpt = ensure_checkpoint(import_comfy())
     if not isinstance(ckpt, Path) or not ckpt.is_file():
-        ckpt = comfy_root / "models" / "checkpoints" / DEFAULT_NAME
-    t0 = time.perf_counter()
+        ckpt = import_comfy() / "models" / "checkpoints" / DEFAULT_NAME
     model, clip, vae = comfy.sd.load_checkpoint_guess_config(str(ckpt), output_vae=True, output_clip=True)[:3]
-    print(f"loaded {ckpt.name} in {time.perf_counter() - t0:.1f} s; unet dtype {model.model_dtype()}", flush=True)
 
     def encode(text: str):
         return clip.encode_from_tokens_scheduled(clip.tokenize(text))
 
     with torch.inference_mode():
         positive, negative = encode("a lighthouse on a cliff at dusk, oil painting"), encode("")
-    latent = torch.zeros(1, 4, size // 8, size // 8)
-    noise = comfy.sample.prepare_noise(latent, 42)
+    net = model.get_model_object("diffusion_model")
+    # the UNet runs a block's layers one by one (never the block itself): hook the middle block's first layer
+    return Workload("sd15", model, net.middle_block[0], positive, negative, torch.zeros(1, 4, size // 8, size // 8),
+                    steps, 7.0, f"full-size SD1.5 architecture with random weights (`{ckpt.name}`), {size}x{size}, "
+                    f"{steps} steps, euler / normal, cfg 7, batch 1", vae=vae)
 
-    variants = {"baseline": model}
+
+def flux_workload(size: int, steps: int, double: int, single: int) -> Workload:
+    import comfy.supported_models as sm
+
+    from tests.support.tiny_models import build_random_model
+
+    config = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "patch_size": 2, "vec_in_dim": 768,
+              "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": double,
+              "depth_single_blocks": single, "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True,
+              "guidance_embed": True}
+    model = build_random_model(sm.Flux(config), seed=0)
+    net = model.get_model_object("diffusion_model")
+    blocks = [*net.double_blocks, *net.single_blocks]
+    gen = torch.Generator().manual_seed(1)
+
+    def conditioning(tokens: int) -> list:
+        return [[torch.randn(1, tokens, 4096, generator=gen),
+                 {"pooled_output": torch.randn(1, 768, generator=gen), "guidance": 3.5}]]
+
+    params = sum(p.numel() for p in net.parameters()) / 1e9
+    return Workload("flux", model, blocks[1], conditioning(128), conditioning(128),
+                    torch.zeros(1, 16, size // 8, size // 8), steps, 1.0,
+                    f"Flux-shaped transformer at real width (hidden 3072, 24 heads) with {double} double and {single} "
+                    f"single blocks ({params:.2f} B parameters, random weights), {size}x{size}, {steps} steps, "
+                    "euler / normal, guidance 3.5, cfg 1, 128 text tokens, batch 1")
+
+
+def variants(work: Workload, thresholds: tuple[float, ...]) -> dict[str, object]:
+    from comfy_extras.nodes_easycache import EasyCacheNode
+
+    deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache")
+    out = {"baseline": work.model}
     for interval in INTERVALS:
-        variants[f"interval {interval}"] = deepcache.apply_deepcache(model, cache_interval=interval,
-                                                                     cache_depth=args.depth)
+        out[f"DeepCache interval {interval}"] = deepcache.apply_deepcache(work.model, cache_interval=interval,
+                                                                          cache_depth=1)
+    for threshold in thresholds:
+        out[f"EasyCache {threshold:g}"] = EasyCacheNode.execute(work.model, threshold, EASYCACHE_START,
+                                                                EASYCACHE_END, False).result[0]
+    return out
 
-    def run(patcher) -> tuple[float, float, torch.Tensor]:
-        with torch.inference_mode():
-            start, start_cpu = time.perf_counter(), time.process_time()
-            samples = comfy.sample.sample(patcher, noise, steps, 7.0, "euler", "normal", positive, negative,
-                                          latent, denoise=1.0, disable_pbar=True, seed=42)
-            return time.perf_counter() - start, time.process_time() - start_cpu, samples
 
-    with torch.inference_mode():  # warm-up: load the model, first-call allocations
-        comfy.sample.sample(model, noise, 1, 7.0, "euler", "normal", positive, negative, latent,
-                            denoise=1.0, disable_pbar=True, seed=42)
+def run_workload(work: Workload, thresholds: tuple[float, ...], rounds: int) -> dict[str, Result]:
+    import comfy.sample
 
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    cpu_times: dict[str, list[float]] = {name: [] for name in variants}
-    images: dict[str, torch.Tensor] = {}
-    latents: dict[str, torch.Tensor] = {}
-    for round_index in range(rounds):
-        for name, patcher in variants.items():
-            elapsed, cpu, samples = run(patcher)
-            times[name].append(elapsed)
-            cpu_times[name].append(cpu)
-            if name not in images:
-                latents[name] = samples.clone()
+    configs = variants(work, thresholds)
+    noise = comfy.sample.prepare_noise(work.latent, 42)
+
+    def sample(patcher, steps: int) -> torch.Tensor:
+        return comfy.sample.sample(patcher, noise, steps, work.cfg, "euler", "normal", work.positive,
+                                   work.negative, work.latent, denoise=1.0, disable_pbar=True, seed=42)
+
+    with torch.inference_mode():
+        sample(work.model, 1)  # warm-up: load the model, first-call allocations
+    results = {name: Result() for name in configs}
+    passes = [0]
+    handle = work.deep_block.register_forward_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
+    try:
+        for round_index in range(rounds):
+            for name, patcher in configs.items():
+                passes[0] = 0
                 with torch.inference_mode():
-                    images[name] = vae.decode(samples).clamp(0, 1).clone()
-            print(f"round {round_index + 1}/{rounds} {name:>11}: {elapsed:7.2f} s wall, {cpu:7.2f} s CPU", flush=True)
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    latent = sample(patcher, work.steps)
+                    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+                result = results[name]
+                result.wall.append(wall)
+                result.cpu.append(cpu)
+                result.deep_passes = passes[0]
+                if result.latent is None:
+                    result.latent = latent.float().clone()
+                    if work.vae is not None:
+                        with torch.inference_mode():
+                            result.image = work.vae.decode(latent).clamp(0, 1).clone()
+                print(f"[{work.name}] round {round_index + 1}/{rounds} {name:>22}: {wall:7.2f} s wall, "
+                      f"{cpu:7.2f} s CPU, {passes[0]} deep passes", flush=True)
+    finally:
+        handle.remove()
+    return results
 
-    base_time = statistics.median(times["baseline"])
-    base_cpu = statistics.median(cpu_times["baseline"])
-    rows = []
-    for name in variants:
-        median = statistics.median(times[name])
-        cpu_ratio = base_cpu / statistics.median(cpu_times[name])
-        if name == "baseline":
-            quality, latent_quality = "reference", "reference"
+
+def quality(result: Result, reference: Result) -> float:
+    """PSNR in dB of the image (peak 1) where there is one, else of the latent (peak = the reference's range)."""
+    if result.image is not None:
+        return psnr(result.image, reference.image, peak=1.0)
+    return psnr(result.latent, reference.latent)
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
+    """y at x along the piecewise-linear curve through `points` (x, y), or None outside its x range."""
+    points = sorted(points)
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def tables(work: Workload, results: dict[str, Result]) -> str:
+    base = results["baseline"]
+    base_wall, base_cpu = statistics.median(base.wall), statistics.median(base.cpu)
+    speed = {name: base_cpu / statistics.median(r.cpu) for name, r in results.items()}
+    dbs = {name: (math.inf if name == "baseline" else quality(r, base)) for name, r in results.items()}
+    image = base.image is not None
+    lines = ["| config | median wall (s) | wall speed-up | CPU-time speed-up | deep passes | PSNR vs baseline "
+             + ("image | PSNR latent |" if image else "latent |"), "|---|---|---|---|---|---|" + ("---|" if image else "")]
+    for name, r in results.items():
+        db = "reference" if name == "baseline" else f"{dbs[name]:.2f} dB"
+        if image:
+            db += " | " + ("reference" if name == "baseline" else f"{psnr(r.latent, base.latent):.2f} dB")
+        lines.append(f"| {name} | {statistics.median(r.wall):.2f} | {base_wall / statistics.median(r.wall):.2f}x "
+                     f"| {speed[name]:.2f}x | {r.deep_passes} | {db} |")
+    easy = [(speed[name], dbs[name]) for name in results if name.startswith("EasyCache") and math.isfinite(dbs[name])]
+    easy_by_db = [(db, s) for s, db in easy]
+    lines += ["", "| DeepCache | its speed-up | its PSNR | EasyCache PSNR at that speed-up | EasyCache speed-up "
+                  "at that PSNR |", "|---|---|---|---|---|"]
+    for interval in INTERVALS:
+        name = f"DeepCache interval {interval}"
+        at_speed = interpolate(easy, speed[name])
+        at_db = interpolate(easy_by_db, dbs[name])
+        lines.append(f"| interval {interval} | {speed[name]:.2f}x | {dbs[name]:.2f} dB | "
+                     + (f"{at_speed:.2f} dB" if at_speed is not None else "outside EasyCache's sweep") + " | "
+                     + (f"{at_db:.2f}x" if at_db is not None else "outside EasyCache's sweep") + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("sd15", "flux", "both"), default="both")
+    parser.add_argument("--quick", action="store_true", help="small sizes and 6 steps: a fast sanity run")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (median reported)")
+    parser.add_argument("--thresholds", default=",".join(f"{t:g}" for t in THRESHOLDS),
+                        help="EasyCache reuse_threshold values to sweep")
+    parser.add_argument("--flux-blocks", default="2,4", help="double,single blocks of the Flux-shaped model")
+    parser.add_argument("--out", type=Path, default=None, help="markdown result file")
+    args = parser.parse_args()
+    thresholds = tuple(float(t) for t in args.thresholds.split(","))
+    double, single = (int(n) for n in args.flux_blocks.split(","))
+    out_path = args.out or (None if args.quick else REPO_ROOT / "bench" / "results" / "deepcache.md")
+
+    from tests.support.comfy_host import import_comfy, load_pack
+
+    import_comfy()
+    load_pack()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    import comfy.model_management
+
+    sections = []
+    for name in (("sd15", "flux") if args.model == "both" else (args.model,)):
+        if name == "sd15":
+            work = sd15_workload(*((128, 6) if args.quick else (512, 20)))
         else:
-            quality = f"{psnr(images[name], images['baseline']):.2f} dB"
-            reference = latents["baseline"]
-            scale = float(reference.max() - reference.min())
-            latent_quality = f"{psnr(latents[name] / scale, reference / scale):.2f} dB"
-        rows.append((name, median, base_time / median, cpu_ratio, quality, latent_quality,
-                     ", ".join(f"{t:.1f}" for t in times[name])))
+            work = flux_workload(*((64, 6) if args.quick else (256, 20)), double, single)
+        results = run_workload(work, thresholds, args.rounds)
+        section = f"## {name}\n\n{work.description}.\n\n{tables(work, results)}\n"
+        print("\n" + section, flush=True)
+        sections.append(section)
+        del work, results
+        comfy.model_management.unload_all_models()
+        gc.collect()
 
-    header = ("| config | median wall time (s) | wall speed-up | CPU-time speed-up | PSNR vs baseline image "
-              "| PSNR vs baseline latent (peak = its range) | wall runs (s) |\n|---|---|---|---|---|---|---|")
-    table = "\n".join([header] + [f"| {n} | {m:.2f} | {r:.2f}x | {c:.2f}x | {q} | {lq} | {runs} |"
-                                  for n, m, r, c, q, lq, runs in rows])
-    print("\n" + table)
-    command = "bench/bench_deepcache.py" + (" --quick" if args.quick else "") + (
-        f" --rounds {args.rounds}" if args.rounds else "") + (f" --depth {args.depth}" if args.depth != 1 else "")
+    command = " ".join(["bench/bench_deepcache.py", *sys.argv[1:]])
     load = os.getloadavg()
     text = (
-        f"# DeepCache benchmark{' (quick)' if args.quick else ''}\n\n"
-        f"Full-size SD1.5 architecture with random weights (`{ckpt.name}`), loaded in-process with "
-        f"`comfy.sd.load_checkpoint_guess_config`; {size}x{size}, {steps} steps, euler / normal, cfg 7, batch 1, "
+        "# DeepCache and ComfyUI's EasyCache\n\n"
         f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-        f"{torch.__version__}). DeepCache with cache_depth {args.depth}. Time is the whole `comfy.sample.sample` "
-        f"call (median of {rounds} interleaved round(s)); the CPU-time column uses this process's CPU time "
-        f"(time.process_time), which other jobs on the machine disturb much less than wall time; PSNR compares the VAE-decoded image with the "
-        f"uncached one (random weights: the images are noise-like, so PSNR shows drift, not visual quality).\n"
-        f"Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written, on {os.cpu_count()} cores "
-        "(above ~2 other jobs shared the machine: wall times are noisy, the CPU-time ratios less so).\n\n"
-        f"Command: `.venv/bin/python {command}`\n\n{table}\n"
+        f"{torch.__version__}), random weights, in-process `comfy.sample.sample`; median of {args.rounds} "
+        "interleaved round(s). DeepCache: cache_depth 1. EasyCache: ComfyUI's node, start_percent "
+        f"{EASYCACHE_START}, end_percent {EASYCACHE_END}, reuse_threshold as named. The matched table interpolates "
+        "EasyCache's sweep linearly (CPU-time speed-up vs PSNR). Random weights make the outputs noise-like: PSNR "
+        "measures drift from the uncached result, not visual quality.\n"
+        f"Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written, on {os.cpu_count()} cores.\n\n"
+        f"Command: `.venv/bin/python {command}`\n\n" + "\n".join(sections)
     )
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(text)
-        print(f"\nwrote {out_path}")
+        print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

@@ -117,13 +117,11 @@ def test_bad_settings_raise(deepcache, models):
         deepcache.apply_deepcache(models["flux"], 3, 2, 0.0, 1.0)  # 4 blocks: depth 2 would leave no middle block
 
 
-def test_unsupported_model_passes_through_with_a_warning(deepcache, models, caplog):
+def test_unsupported_model_is_an_error_naming_it(deepcache, models):
     odd = models["sd15"].clone()
     odd.add_object_patch("diffusion_model", torch.nn.Linear(2, 2))
-    with caplog.at_level(logging.WARNING):
-        out = deepcache.apply_deepcache(odd, 3, 1, 0.0, 1.0)
-    assert out is odd
-    assert "not supported" in caplog.text
+    with pytest.raises(ValueError, match="DeepCache cannot accelerate this model: its diffusion model is Linear"):
+        deepcache.apply_deepcache(odd, 3, 1, 0.0, 1.0)
 
 
 def test_input_model_is_not_modified(deepcache, models):

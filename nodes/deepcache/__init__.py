@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from .dit import dit_block_layout, install_dit, max_dit_depth
+from .dit import install_dit, uncached_message
+from .families import block_layout, family_of, supported_names
+from .segments import max_depth
 from .steps import STATE_KEY, WRAPPER_KEY, DeepCacheConfig, install_step_wrappers
 from .unet import install_unet, is_unet, max_unet_depth
 
@@ -16,7 +18,8 @@ __all__ = ["DeepCacheConfig", "apply_deepcache"]
 
 def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_percent: float = 0.0,
                     end_percent: float = 1.0):
-    """Return a clone of `model` (a ModelPatcher) with DeepCache; raise ValueError on bad settings."""
+    """Return a clone of `model` (a ModelPatcher) with DeepCache; raise ValueError on bad settings or a model
+    DeepCache cannot cache (the node then fails with that message in the page)."""
     cache_interval, cache_depth = int(cache_interval), int(cache_depth)
     start_percent, end_percent = float(start_percent), float(end_percent)
     if cache_interval < 1:
@@ -28,17 +31,16 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
                          f"({end_percent}), both within 0..1.")
 
     diffusion_model = model.get_model_object("diffusion_model")
-    layout = None
+    family = layout = None
     if is_unet(diffusion_model):
         limit = max_unet_depth(diffusion_model)
         kind = f"this UNet has {limit} input blocks"
     else:
-        layout = dit_block_layout(diffusion_model)
-        if layout is None:
-            log.warning("DeepCache: %s is not supported (UNet, Flux and SD3 are); the model passes through "
-                        "unchanged.", type(diffusion_model).__name__)
-            return model
-        limit = max_dit_depth(layout)
+        family = family_of(diffusion_model)
+        if family is None:
+            raise ValueError(unsupported_message(diffusion_model))
+        layout = block_layout(diffusion_model, family)
+        limit = max_depth(layout)
         kind = f"this {type(diffusion_model).__name__} has {len(layout)} blocks and needs at least one middle block"
     if cache_depth > limit:
         raise ValueError(f"DeepCache: cache_depth {cache_depth} is too large: {kind}, so the largest "
@@ -47,13 +49,21 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
     patched = model.clone()
     _remove_previous_deepcache(patched)
     config = DeepCacheConfig(cache_interval, cache_depth, start_percent, end_percent)
-    install_step_wrappers(patched, config)
-    if layout is None:
+    if family is None:
+        install_step_wrappers(patched, config)
         install_unet(patched, cache_depth)
     else:
-        install_dit(patched, cache_depth, layout)
+        install_step_wrappers(patched, config, uncached_message)
+        install_dit(patched, cache_depth, family, layout)
     patched.model_options.setdefault("transformer_options", {})[STATE_KEY + "_config"] = config
     return patched
+
+
+def unsupported_message(diffusion_model) -> str:
+    cls = type(diffusion_model)
+    return (f"DeepCache cannot accelerate this model: its diffusion model is {cls.__name__} (from {cls.__module__}), "
+            f"and DeepCache supports UNets (SD1.x, SD2.x, SDXL) and the diffusion transformers {supported_names()}. "
+            "Bypass this node (Ctrl+B) to run the model without DeepCache.")
 
 
 def _remove_previous_deepcache(model) -> None:

@@ -1,109 +1,102 @@
-"""DeepCache for DiT models whose blocks ComfyUI exposes through `patches_replace["dit"]` (Flux, SD3/MMDiT).
+"""DeepCache for diffusion transformers: puts `segments.run_middle_block` in front of every middle block.
 
-The blocks form one sequence (Flux: the double blocks, then the single blocks). The first and last
-`cache_depth` blocks always run. The middle is split into segments of one block kind; on full steps each
-segment's residual (output minus input, per stream: img, txt) is cached, and on cached steps the segment's
-blocks are skipped and its input plus the cached residual is passed on. The replacement functions only
-read the decision made by the sampler-level wrappers; they hold no step logic of their own.
+Block stacks whose forward honours ComfyUI's `patches_replace["dit"]` get a block-replace patch (chained to
+any patch already there). The others get their block list swapped, for the duration of a cached or capturing
+model call only (a DIFFUSION_MODEL wrapper, the innermost one, so other nodes' wrappers see the real model),
+for one whose middle blocks are `CachedBlock`s.
 """
 
 from __future__ import annotations
 
-from .steps import Mode, chunk_signature, current_call, current_run
+from collections.abc import Callable
 
-STREAMS = ("img", "txt")
+import torch
 
-
-def dit_block_layout(diffusion_model) -> list[tuple[str, int]] | None:
-    """The ("double_block" | "single_block", index) keys of the model's blocks in execution order."""
-    from comfy.ldm.flux.model import Flux
-    from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
-
-    if isinstance(diffusion_model, MMDiT):
-        return [("double_block", i) for i in range(len(diffusion_model.joint_blocks))]
-    if isinstance(diffusion_model, Flux):
-        return ([("double_block", i) for i in range(len(diffusion_model.double_blocks))]
-                + [("single_block", i) for i in range(len(diffusion_model.single_blocks))])
-    return None
+from .families import BlockStack, Family
+from .segments import BlockPlace, Streams, middle_places, run_middle_block
+from .steps import WRAPPER_KEY, Mode, active_call
 
 
-def max_dit_depth(layout: list) -> int:
-    """Largest cache_depth that still leaves at least one middle block to cache."""
-    return (len(layout) - 1) // 2
+def uncached_message(diffusion_model) -> str:
+    return (f"DeepCache: {type(diffusion_model).__name__} ran none of its middle transformer blocks through "
+            "DeepCache, so nothing could be cached (another node may have replaced DeepCache's block patches, "
+            "or this variant runs its blocks its own way). Bypass the DeepCache node for this model.")
 
 
-def _segments(layout: list, depth: int) -> list[list[int]]:
-    segments: list[list[int]] = []
-    for position in range(depth, len(layout) - depth):
-        if segments and layout[segments[-1][-1]][0] == layout[position][0]:
-            segments[-1].append(position)
-        else:
-            segments.append([position])
-    return segments
+def install_dit(model, depth: int, family: Family, layout: list[tuple[int, int]]) -> None:
+    """Put DeepCache in front of every middle block of `model` (a clone the caller owns)."""
+    from comfy.patcher_extension import WrappersMP
 
-
-def _streams(args: dict) -> dict:
-    return {name: args[name] for name in STREAMS if args.get(name) is not None}
-
-
-def install_dit(model, depth: int, layout: list) -> None:
-    """Put a replacement on every block of `model` (a clone the caller owns), chaining any existing one."""
     existing = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-    first_middle = depth
-    for segment_index, segment in enumerate(_segments(layout, depth)):
-        for position in segment:
-            role = "single" if len(segment) == 1 else "first" if position == segment[0] else (
-                "last" if position == segment[-1] else "inner")
-            kind, index = layout[position]
-            patch = _middle_block_patch(segment_index, role, position == first_middle, existing.get((kind, index)))
-            model.set_model_patch_replace(patch, "dit", kind, index)
+    swapped: dict[int, dict[int, BlockPlace]] = {}
+    for (stack_number, index), place in middle_places(layout, depth).items():
+        stack = family.stacks[stack_number]
+        if stack.patch is not None:
+            patch = _block_patch(place, stack, existing.get((stack.patch, index)))
+            model.set_model_patch_replace(patch, "dit", stack.patch, index)
+        else:
+            swapped.setdefault(stack_number, {})[index] = place
+    if swapped:
+        model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, _block_swap(family, swapped))
 
 
-def _run_block(previous, args: dict, extra: dict) -> dict:
-    if previous is not None:
-        return previous(args, extra)
-    return extra["original_block"](args)
-
-
-def _middle_block_patch(segment: int, role: str, resolves_call: bool, previous):
-    prefix = f"{segment}."
-
+def _block_patch(place: BlockPlace, stack: BlockStack, previous: Callable | None) -> Callable:
     def deepcache_block(args: dict, extra: dict) -> dict:
-        transformer_options = args.get("transformer_options")
-        run = current_run(transformer_options)
-        call = current_call(transformer_options)
-        if run is None or call is None or call.mode is Mode.FULL:
-            return _run_block(previous, args, extra)
-        if resolves_call:
-            call.signature = chunk_signature(args["img"], len(call.chunk_ids))
-            if call.mode is Mode.CACHED:
-                call.cached = run.cache.get(call.chunk_ids, call.signature)
-                if call.cached is None:
-                    run.fall_back_to_capture(call)
-        starts = role in ("first", "single")
-        ends = role in ("last", "single")
-        if call.mode is Mode.CAPTURE:
-            if starts:  # blocks edit their inputs in place: keep a copy of the segment's input
-                call.scratch[segment] = {name: t.clone() for name, t in _streams(args).items()}
-            out = _run_block(previous, args, extra)
-            if ends:
-                inputs = call.scratch.pop(segment, {})
-                for name, value in _streams(out).items():
-                    if name in inputs and inputs[name].shape == value.shape:
-                        run.cache.put(call.chunk_ids, call.signature, prefix + name, value - inputs[name])
-            return out
-        # cached: skip the block; the segment's last block returns its input plus the cached residual
-        if starts:  # a ControlNet may add to the passed-through tensor in place: keep the clean input
-            call.scratch[segment] = {name: t.clone() for name, t in _streams(args).items()}
-        if not ends:
-            return _streams(args)
-        inputs = call.scratch.pop(segment, {})
-        out = {}
-        for name, value in inputs.items():
-            residual = call.cached.get(prefix + name)
-            out[name] = value + residual if residual is not None else value
-        return out
+        def run_block() -> dict:
+            return previous(args, extra) if previous is not None else extra["original_block"](args)
+
+        streams = {name: args[name] for name in stack.streams if args.get(name) is not None}
+        return run_middle_block(place, streams, run_block)
 
     deepcache_block.int8_accel_deepcache = True
     deepcache_block.previous = previous
     return deepcache_block
+
+
+class CachedBlock(torch.nn.Module):
+    """Stands in for a middle block while a cached or capturing model call runs."""
+
+    def __init__(self, block: torch.nn.Module, place: BlockPlace, stack: BlockStack) -> None:
+        super().__init__()
+        # not a child module: hooks, names and parameters stay those of the real block, which runs only when called
+        object.__setattr__(self, "block", block)
+        self.place = place
+        self.stack = stack
+
+    def forward(self, *args, **kwargs):
+        streams = {}
+        for name, (position, keyword) in zip(self.stack.streams, self.stack.arguments, strict=True):
+            value = args[position] if len(args) > position else kwargs.get(keyword)
+            if value is not None:
+                streams[name] = value
+
+        def run_block() -> Streams:
+            out = self.block(*args, **kwargs)
+            return dict(zip(self.stack.streams, out if isinstance(out, tuple) else (out,), strict=True))
+
+        out = run_middle_block(self.place, streams, run_block)
+        values = tuple(out[name] for name in self.stack.streams)
+        return values if len(values) > 1 else values[0]
+
+
+def _block_swap(family: Family, places: dict[int, dict[int, BlockPlace]]) -> Callable:
+    def deepcache_block_swap(executor, *args, **kwargs):
+        call = active_call()
+        if call is None or call.mode is Mode.FULL:
+            return executor(*args, **kwargs)
+        net = executor.class_obj
+        originals = {}
+        try:
+            for stack_number, stack_places in places.items():
+                stack = family.stacks[stack_number]
+                blocks = getattr(net, stack.attribute)
+                originals[stack.attribute] = blocks
+                setattr(net, stack.attribute, torch.nn.ModuleList(
+                    CachedBlock(block, stack_places[index], stack) if index in stack_places else block
+                    for index, block in enumerate(blocks)))
+            return executor(*args, **kwargs)
+        finally:
+            for attribute, blocks in originals.items():
+                setattr(net, attribute, blocks)
+
+    return deepcache_block_swap

@@ -6,6 +6,7 @@ from comfy_api.latest import io
 
 from ..node_schema import pack_schema
 from . import apply_deepcache
+from .families import supported_names
 
 MAX_DEPTH_WIDGET = 64
 
@@ -17,8 +18,9 @@ DESCRIPTION = (
     "input_blocks[0:k] and output_blocks[N-k:] (block 0 is the input conv). OneDiff's (cache_layer_id, "
     "cache_block_id) = (0, b) is cache_depth b + 2 here; for deeper layers OneDiff uses "
     "sum(num_res_blocks[:cache_layer_id]) + cache_block_id + 2 (it does not count the downsample blocks). "
-    "DiT (Flux, SD3): the first and last k transformer blocks run and the cached residual of the middle "
-    "blocks is added."
+    f"Diffusion transformers ({supported_names()}): the first and last k transformer blocks run and the cached "
+    "residual of the middle blocks is added, per stream and per conditioning. Any other model is an error that "
+    "names it (bypass the node for it)."
 )
 
 
@@ -29,8 +31,9 @@ class Int8AccelDeepCache(io.ComfyNode):
             "Int8AccelDeepCache", "DeepCache",
             description=DESCRIPTION,
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model to accelerate (UNet: SD1.x/SD2.x/SDXL; DiT: "
-                                                "Flux, SD3). Other models pass through unchanged."),
+                io.Model.Input("model", tooltip=(
+                    f"The diffusion model to accelerate. UNet: SD1.x/SD2.x/SDXL; transformers: {supported_names()}. "
+                    "Another model stops the prompt with an error naming it.")),
                 io.Int.Input("cache_interval", default=3, min=1, max=1000, tooltip=(
                     "Run the full network every N sampler steps and reuse the cached deep features in between. "
                     "1 disables caching (output identical to the model without this node). The DeepCache paper "
@@ -38,8 +41,8 @@ class Int8AccelDeepCache(io.ComfyNode):
                 io.Int.Input("cache_depth", default=1, min=1, max=MAX_DEPTH_WIDGET, tooltip=(
                     "How many shallow blocks run on cached steps. UNet: input/output block pairs "
                     "(input_blocks[0:k] and output_blocks[N-k:]; 1 = input conv plus the last output block; "
-                    "OneDiff cache_layer_id=0, cache_block_id=b equals b+2). DiT: blocks at each end. Larger is "
-                    "slower and closer to the uncached output.")),
+                    "OneDiff cache_layer_id=0, cache_block_id=b equals b+2). Transformers: blocks at each end. "
+                    "Larger is slower and closer to the uncached output.")),
                 io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01, tooltip=(
                     "Where in the sampling schedule caching starts (0 = first step), converted to a sigma with "
                     "the model's own schedule, as core nodes do. Steps outside start..end always run in full.")),

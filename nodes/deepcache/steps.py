@@ -3,7 +3,9 @@
 Everything here is plain Python that runs outside any compiled region (sampler-level wrappers). The per-run
 state is a `DeepCacheRun` created by the OUTER_SAMPLE wrapper and carried to the model through
 `transformer_options[STATE_KEY]`; it is dropped when the sampling run ends, so nothing leaks into the next
-prompt, the next batch or another clone of the model.
+prompt, the next batch or another clone of the model. While one model call runs, the APPLY_MODEL wrapper also
+makes the run the active one (`active_run()`), which is how the block-level code finds it: not every model
+hands `transformer_options` to its blocks.
 
 Steps are counted from the sampler's sigma schedule and its per-step callback, never from model calls:
 cond and uncond (batched or not) share one evaluation, and the extra evaluations of multi-evaluation
@@ -12,6 +14,7 @@ samplers (heun's corrector, dpm2's midpoint) always run in full.
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import logging
 import math
@@ -112,6 +115,7 @@ class ModelCall:
     captured: dict = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)
     cached: dict | None = None
+    blocks_seen: bool = False  # a cached or capturing call reached DeepCache's block-level code
 
 
 class DeepCacheRun:
@@ -136,6 +140,7 @@ class DeepCacheRun:
         self.cached_steps = 0
         self.extra_evaluations = 0
         self.cache_misses = 0
+        self.blocks_reached = False  # some call of this run reached DeepCache's block-level code
 
     # --- sampler level -----------------------------------------------------------------------------
     def wrap_callback(self, callback: Callable | None) -> Callable:
@@ -201,16 +206,23 @@ class DeepCacheRun:
             self.full_steps += 1
 
 
-def current_call(transformer_options: dict | None) -> ModelCall | None:
-    if not transformer_options:
-        return None
-    run = transformer_options.get(STATE_KEY)
-    return run.call if isinstance(run, DeepCacheRun) else None
-
-
 def current_run(transformer_options: dict | None) -> DeepCacheRun | None:
     run = (transformer_options or {}).get(STATE_KEY)
     return run if isinstance(run, DeepCacheRun) else None
+
+
+_ACTIVE_RUN: contextvars.ContextVar[DeepCacheRun | None] = contextvars.ContextVar("int8_accel_deepcache_run",
+                                                                                   default=None)
+
+
+def active_run() -> DeepCacheRun | None:
+    """The run whose model call is executing right now (set only inside the APPLY_MODEL wrapper)."""
+    return _ACTIVE_RUN.get()
+
+
+def active_call() -> ModelCall | None:
+    run = _ACTIVE_RUN.get()
+    return None if run is None else run.call
 
 
 def chunk_signature(tensor: torch.Tensor, chunks: int) -> tuple:
@@ -255,22 +267,40 @@ def deepcache_predict_noise(executor, *args, **kwargs):
         run.mode = Mode.FULL  # a model call outside a sampler evaluation never reuses the cache
 
 
-def deepcache_apply_model(executor, *args, **kwargs):
-    transformer_options = wrapper_arg(args, kwargs, 5, "transformer_options", None)
-    run = current_run(transformer_options)
-    if run is None:
-        return executor(*args, **kwargs)
-    run.begin_call(transformer_options)
-    try:
-        return executor(*args, **kwargs)
-    finally:
-        run.call = None
+def make_apply_model_wrapper(uncached_message: Callable[[object], str] | None) -> Callable:
+    """The APPLY_MODEL wrapper: one ModelCall per model call, made the active one while it runs.
+
+    `uncached_message(diffusion_model)`, when given, is raised if a call that should have cached or reused deep
+    features did not reach DeepCache's block-level code and no call of the run has yet: the model runs its
+    blocks some other way. (Once blocks were reached, a call without them is one another wrapper answered
+    without running the model, as ComfyUI's EasyCache does.)"""
+
+    def deepcache_apply_model(executor, *args, **kwargs):
+        transformer_options = wrapper_arg(args, kwargs, 5, "transformer_options", None)
+        run = current_run(transformer_options)
+        if run is None:
+            return executor(*args, **kwargs)
+        call = run.begin_call(transformer_options)
+        token = _ACTIVE_RUN.set(run)
+        try:
+            out = executor(*args, **kwargs)
+        finally:
+            _ACTIVE_RUN.reset(token)
+            run.call = None
+        if call.blocks_seen:
+            run.blocks_reached = True
+        elif uncached_message is not None and call.mode is not Mode.FULL and not run.blocks_reached:
+            raise RuntimeError(uncached_message(executor.class_obj.diffusion_model))
+        return out
+
+    return deepcache_apply_model
 
 
-def install_step_wrappers(model, config: DeepCacheConfig) -> None:
+def install_step_wrappers(model, config: DeepCacheConfig,
+                          uncached_message: Callable[[object], str] | None = None) -> None:
     """Register the sampler-level wrappers on `model` (a clone the caller owns)."""
     from comfy.patcher_extension import WrappersMP
 
     model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_outer_sample_wrapper(config))
     model.add_wrapper_with_key(WrappersMP.PREDICT_NOISE, WRAPPER_KEY, deepcache_predict_noise)
-    model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, deepcache_apply_model)
+    model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, make_apply_model_wrapper(uncached_message))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .steps import WRAPPER_KEY, Mode, chunk_signature, current_call, current_run
+from .steps import WRAPPER_KEY, Mode, active_call, active_run, chunk_signature
 
 
 def is_unet(diffusion_model) -> bool:
@@ -116,7 +116,7 @@ def install_unet(model, depth: int) -> None:
     )
 
     def deepcache_capture_patch(h, skip, transformer_options):
-        call = current_call(transformer_options)
+        call = active_call()
         if call is not None and call.mode is Mode.CAPTURE and transformer_options.get("block") == capture_block:
             call.captured["h"] = h.clone()
         return h, skip
@@ -129,8 +129,8 @@ def install_unet(model, depth: int) -> None:
     def deepcache_unet_forward(executor, x, timesteps=None, context=None, y=None, control=None,
                                transformer_options=None, **kwargs):
         transformer_options = {} if transformer_options is None else transformer_options
-        run = current_run(transformer_options)
-        call = current_call(transformer_options)
+        run = active_run()
+        call = active_call()
         if run is None or call is None or call.mode is Mode.FULL:
             return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
         signature = chunk_signature(x, len(call.chunk_ids))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 
-def _fill_weights(model: torch.nn.Module, seed: int) -> None:
-    """ComfyUI's ops leave weights uninitialised: norms' scales 1, biases 0, the rest N(0, 0.02).
+def _fill_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """ComfyUI's ops leave weights uninitialised: norms' scales 1, biases 0, the rest N(0, std).
 
     The diffusion model's float buffers are checkpoint data too (SD3's `pos_embed` is `torch.empty` until a
     state dict fills it), so they get N(0, 0.02) as well; buffers elsewhere (sigma schedules) are computed."""
@@ -17,7 +17,7 @@ def _fill_weights(model: torch.nn.Module, seed: int) -> None:
             if param.ndim == 1:
                 param.fill_(1.0 if leaf in ("weight", "scale") else 0.0)
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
         for buf in model.diffusion_model.buffers():
             if buf.is_floating_point():
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.02)
@@ -55,8 +55,70 @@ def _unet_config(kind: str) -> tuple[type, dict]:
     raise ValueError(kind)
 
 
+# The diffusion transformers DeepCache knows besides Flux and SD3: 5 or 6 blocks (two block kinds where the
+# family has them), width 64, text width 64, so every family samples in well under a second.
+TINY_DITS = {
+    "wan21": ("WAN21_T2V", {
+        "image_model": "wan2.1", "model_type": "t2v", "dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 6,
+        "patch_size": (1, 2, 2), "freq_dim": 32, "text_dim": 64, "in_dim": 16, "out_dim": 16, "window_size": (-1, -1),
+        "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6}),
+    "wan22": ("WAN22_T2V", {  # the 5B text/image-to-video model: 48-channel latent, per-token timesteps
+        "image_model": "wan2.1", "model_type": "t2v", "dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 6,
+        "patch_size": (1, 2, 2), "freq_dim": 32, "text_dim": 64, "in_dim": 48, "out_dim": 48, "window_size": (-1, -1),
+        "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6}),
+    "hunyuan_video": ("HunyuanVideo", {
+        "image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768,
+        "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 2,
+        "depth_single_blocks": 3, "axes_dim": [8, 12, 12], "theta": 256, "patch_size": [1, 2, 2], "qkv_bias": True,
+        "guidance_embed": True, "byt5": False, "meanflow": False, "use_cond_type_embedding": False,
+        "vision_in_dim": None}),
+    "qwen_image": ("QwenImage", {
+        "image_model": "qwen_image", "in_channels": 64, "out_channels": 16, "num_layers": 5, "attention_head_dim": 32,
+        "num_attention_heads": 2, "joint_attention_dim": 64, "axes_dims_rope": (8, 12, 12)}),
+    "chroma": ("Chroma", {
+        "image_model": "chroma", "in_channels": 64, "out_channels": 64, "context_in_dim": 64, "hidden_size": 64,
+        "mlp_ratio": 4.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 3, "axes_dim": [8, 12, 12],
+        "theta": 10000, "patch_size": 2, "qkv_bias": True, "in_dim": 64, "out_dim": 64, "hidden_dim": 64,
+        "n_layers": 1}),
+    "lumina2": ("Lumina2", {
+        "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "cap_feat_dim": 64, "n_layers": 6,
+        "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2, "multiple_of": 16, "axes_dims": [8, 12, 12],
+        "axes_lens": [300, 512, 512], "rope_theta": 10000.0, "ffn_dim_multiplier": 4.0, "qk_norm": True}),
+    "zimage": ("ZImage", {  # Lumina 2's model class with Z-Image's modulation (its time embedding needs dim >= 256)
+        "image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 256, "cap_feat_dim": 64, "n_layers": 5,
+        "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 4, "multiple_of": 16, "axes_dims": [16, 24, 24],
+        "axes_lens": [1536, 512, 512], "rope_theta": 256.0, "ffn_dim_multiplier": 8.0 / 3.0, "qk_norm": True,
+        "z_image_modulation": True, "time_scale": 1000.0}),
+    "hidream": ("HiDream", {
+        "image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
+        "num_single_layers": 3, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": [64, 64],
+        "text_emb_dim": 32, "num_routed_experts": 2, "num_activated_experts": 1, "axes_dims_rope": [16, 8, 8],
+        "max_resolution": [32, 32], "llama_layers": [0, 1, 2, 3, 3]}),
+    "cosmos_predict2": ("CosmosT2IPredict2", {
+        "image_model": "cosmos_predict2", "max_img_h": 32, "max_img_w": 32, "max_frames": 8, "in_channels": 16,
+        "out_channels": 16, "patch_spatial": 2, "patch_temporal": 1, "model_channels": 64, "num_blocks": 6,
+        "num_heads": 2, "crossattn_emb_channels": 64, "pos_emb_cls": "rope3d", "pos_emb_learnable": True,
+        "pos_emb_interpolation": "crop", "concat_padding_mask": True, "use_adaln_lora": True, "adaln_lora_dim": 32,
+        "rope_h_extrapolation_ratio": 4.0, "rope_w_extrapolation_ratio": 4.0, "rope_t_extrapolation_ratio": 1.0}),
+    "ltxv": ("LTXV", {
+        "image_model": "ltxv", "in_channels": 128, "cross_attention_dim": 64, "attention_head_dim": 32,
+        "num_attention_heads": 2, "caption_channels": 64, "num_layers": 6}),
+}
+
+# latent (channels, pixels per latent pixel, frames): frames None is a 4-D image latent
+LATENTS = {"sd15": (4, 8, None), "sdxl": (4, 8, None), "flux": (16, 8, None), "sd3": (16, 8, None),
+           "wan21": (16, 8, 2), "wan22": (48, 16, 2), "hunyuan_video": (16, 8, 2), "qwen_image": (16, 8, 1),
+           "chroma": (16, 8, None), "lumina2": (16, 8, None), "zimage": (16, 8, None), "hidream": (16, 8, None),
+           "cosmos_predict2": (16, 8, 2), "ltxv": (128, 32, 2)}
+VIDEO_KINDS = [kind for kind, (_, _, frames) in LATENTS.items() if frames is not None and frames > 1]
+
+
 def _dit_config(kind: str) -> tuple[type, dict]:
     import comfy.supported_models as sm
+
+    if kind in TINY_DITS:
+        name, config = TINY_DITS[kind]
+        return getattr(sm, name), config
 
     if kind == "flux":
         return sm.Flux, {
@@ -104,50 +166,74 @@ def tiny_model_config(kind: str):
     return cfg
 
 
-def build_tiny_model(kind: str = "sd15", seed: int = 0):
-    """A ModelPatcher around a tiny `kind` model ('sd15', 'sdxl', 'flux', 'sd3') on the CPU, fp32."""
+def build_random_model(cfg, seed: int = 0, weight_std: float = 0.02):
+    """A ModelPatcher around the model of ComfyUI model config `cfg`, fp32, random weights N(0, weight_std)."""
     import comfy.model_management
     import comfy.model_patcher
 
-    cfg = tiny_model_config(kind)
     cfg.set_inference_dtype(torch.float32, None)
     base = cfg.get_model({})
-    _fill_weights(base, seed)
+    _fill_weights(base, seed, weight_std)
     device = comfy.model_management.get_torch_device()
     return comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=torch.device("cpu"))
 
 
-def make_conditioning(kind: str, batch: int = 1, tokens: int = 8, seed: int = 1) -> tuple[list, list]:
-    """Positive and negative CONDITIONING lists shaped as the model's text encoder would give them."""
-    gen = torch.Generator().manual_seed(seed)
-    dims = {"sd15": (768, None), "sdxl": (2048, 1280), "flux": (4096, 768), "sd3": (4096, 2048)}
-    ctx_dim, pooled_dim = dims[kind]
+def build_tiny_model(kind: str = "sd15", seed: int = 0, weight_std: float = 0.02):
+    """A ModelPatcher around a tiny `kind` model (a key of LATENTS) on the CPU, fp32, weights N(0, weight_std)."""
+    return build_random_model(tiny_model_config(kind), seed, weight_std)
 
-    def one() -> list:
+
+def make_conditioning(kind: str, batch: int = 1, tokens: int = 8, seed: int = 1,
+                      negative_tokens: int | None = None) -> tuple[list, list]:
+    """Positive and negative CONDITIONING lists shaped as the model's text encoder would give them.
+
+    `negative_tokens` other than `tokens` gives conditionings ComfyUI cannot batch together (for the
+    transformers; a UNet's cross-attention repeats the shorter one when the ratio is at most 4)."""
+    gen = torch.Generator().manual_seed(seed)
+    dims = {"sd15": (768, None), "sdxl": (2048, 1280), "flux": (4096, 768), "sd3": (4096, 2048),
+            "hunyuan_video": (64, 768), "chroma": (64, 768), "hidream": (64, 32)}
+    ctx_dim, pooled_dim = dims.get(kind, (64, None))
+
+    def one(count: int) -> list:
         extra = {}
         if pooled_dim is not None:
             extra["pooled_output"] = torch.randn(batch, pooled_dim, generator=gen)
         if kind == "flux":
             extra["guidance"] = 3.5
-        return [[torch.randn(batch, tokens, ctx_dim, generator=gen), extra]]
+        if kind == "hidream":  # the Llama hidden states of every layer it reads
+            extra["conditioning_llama3"] = torch.randn(batch, 4, count, ctx_dim, generator=gen)
+        if kind == "ltxv":
+            extra["attention_mask"] = torch.ones(batch, count, dtype=torch.long)
+        return [[torch.randn(batch, count, ctx_dim, generator=gen), extra]]
 
-    return one(), one()
+    return one(tokens), one(negative_tokens or tokens)
 
 
 def latent_channels(kind: str) -> int:
-    return 4 if kind in ("sd15", "sdxl") else 16
+    return LATENTS[kind][0]
+
+
+def empty_latent(kind: str, batch: int = 1, height: int = 64, width: int = 64, frames: int | None = None):
+    """The zero latent ComfyUI's empty-latent node for `kind` would give (5-D for video models)."""
+    channels, factor, default_frames = LATENTS[kind]
+    frames = frames or default_frames
+    spatial = [height // factor, width // factor]
+    return torch.zeros(batch, channels, *([frames] if frames is not None else []), *spatial)
 
 
 def sample(model, kind: str, *, steps: int = 4, seed: int = 0, height: int = 64, width: int = 64,
-           batch: int = 1, cfg: float = 5.0, sampler: str = "euler", scheduler: str = "normal") -> torch.Tensor:
-    """Run ComfyUI's own sampler on `model` and return the denoised latent (deterministic for a seed)."""
+           batch: int = 1, cfg: float = 5.0, sampler: str = "euler", scheduler: str = "normal",
+           frames: int | None = None, negative_tokens: int | None = None,
+           sigmas: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ComfyUI's own sampler on `model` and return the denoised latent (deterministic for a seed); `sigmas`
+    replaces the scheduler's schedule."""
     import comfy.sample
 
-    positive, negative = make_conditioning(kind, batch=batch)
-    latent = torch.zeros(batch, latent_channels(kind), height // 8, width // 8)
+    positive, negative = make_conditioning(kind, batch=batch, negative_tokens=negative_tokens)
+    latent = empty_latent(kind, batch, height, width, frames)
     noise = comfy.sample.prepare_noise(latent, seed)
     with torch.inference_mode():
         return comfy.sample.sample(
             model, noise, steps, cfg, sampler, scheduler, positive, negative, latent,
-            denoise=1.0, disable_pbar=True, seed=seed,
+            denoise=1.0, disable_pbar=True, seed=seed, sigmas=sigmas,
         )

@@ -1,0 +1,89 @@
+"""The diffusion transformer families DeepCache knows: where each keeps its blocks and how streams pass them.
+
+A family is matched by its ComfyUI model class (subclasses included: ComfyUI's variants of a family, such as
+Wan's VACE, camera, S2V, HuMo and Animate models or Chroma Radiance, run the same block loop). Each block
+stack is reached one of two ways:
+
+* `patch`: the forward looks up ComfyUI's `patches_replace["dit"][(patch, index)]` for every block and passes
+  the streams as a dict ({"img": ..., "txt": ...}); DeepCache installs a block-replace patch there.
+* `arguments`: the forward calls the blocks directly; DeepCache swaps the block list for the duration of a
+  model call, and `arguments` says at which position / under which keyword each stream enters a block. The
+  block returns its streams in `streams` order (a tensor when there is one).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    attribute: str  # the nn.ModuleList on the diffusion model
+    streams: tuple[str, ...]  # what a block carries to the next one, in the order it returns them
+    patch: str | None = None  # the key kind of patches_replace["dit"] the forward honours for these blocks
+    arguments: tuple[tuple[int, str], ...] = ()  # otherwise: (position, keyword) each stream enters by
+    skip_attribute: str | None = None  # names a list of block indices the forward never runs
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as a user knows it
+    module: str
+    class_name: str
+    stacks: tuple[BlockStack, ...]
+
+    def model_class(self) -> type | None:
+        try:
+            return getattr(importlib.import_module(self.module), self.class_name)
+        except (ImportError, AttributeError):  # an older ComfyUI without this family
+            return None
+
+
+_DOUBLE = BlockStack("double_blocks", ("img", "txt"), patch="double_block")
+_SINGLE = BlockStack("single_blocks", ("img",), patch="single_block")
+
+FAMILIES: tuple[Family, ...] = (
+    Family("SD3", "comfy.ldm.modules.diffusionmodules.mmdit", "MMDiT",
+           (BlockStack("joint_blocks", ("img", "txt"), patch="double_block"),)),
+    Family("Flux", "comfy.ldm.flux.model", "Flux", (_DOUBLE, _SINGLE)),
+    Family("Chroma", "comfy.ldm.chroma.model", "Chroma",
+           (BlockStack("double_blocks", ("img", "txt"), patch="double_block", skip_attribute="skip_mmdit"),
+            BlockStack("single_blocks", ("img",), patch="single_block", skip_attribute="skip_dit"))),
+    Family("HunyuanVideo", "comfy.ldm.hunyuan_video.model", "HunyuanVideo", (_DOUBLE, _SINGLE)),
+    Family("Wan 2.1/2.2", "comfy.ldm.wan.model", "WanModel",
+           (BlockStack("blocks", ("img",), patch="double_block"),)),
+    Family("Qwen-Image", "comfy.ldm.qwen_image.model", "QwenImageTransformer2DModel",
+           (BlockStack("transformer_blocks", ("img", "txt"), patch="double_block"),)),
+    Family("LTX-Video", "comfy.ldm.lightricks.model", "LTXVModel",
+           (BlockStack("transformer_blocks", ("img",), patch="double_block"),)),
+    Family("Lumina 2 / Z-Image", "comfy.ldm.lumina.model", "NextDiT",
+           (BlockStack("layers", ("img",), arguments=((0, "x"),)),)),
+    Family("HiDream", "comfy.ldm.hidream.model", "HiDreamImageTransformer2DModel",
+           (BlockStack("double_stream_blocks", ("img", "txt"), arguments=((0, "image_tokens"), (2, "text_tokens"))),
+            BlockStack("single_stream_blocks", ("img",), arguments=((0, "image_tokens"),)))),
+    Family("Cosmos Predict2", "comfy.ldm.cosmos.predict2", "MiniTrainDIT",
+           (BlockStack("blocks", ("img",), arguments=((0, "x_B_T_H_W_D"),)),)),
+)
+
+
+def family_of(diffusion_model) -> Family | None:
+    for family in FAMILIES:
+        cls = family.model_class()
+        if cls is not None and isinstance(diffusion_model, cls):
+            return family
+    return None
+
+
+def supported_names() -> str:
+    return ", ".join(family.name for family in FAMILIES)
+
+
+def block_layout(diffusion_model, family: Family) -> list[tuple[int, int]]:
+    """(stack, index) of every block the forward runs, in execution order."""
+    layout = []
+    for number, stack in enumerate(family.stacks):
+        skipped = set(getattr(diffusion_model, stack.skip_attribute, ()) or ()) if stack.skip_attribute else set()
+        layout += [(number, index) for index in range(len(getattr(diffusion_model, stack.attribute)))
+                   if index not in skipped]
+    return layout
