@@ -32,17 +32,30 @@ class SampleRun:
         return statistics.median(steady)
 
 
-def load_sd15():
-    """(model patcher, clip, vae) of the random full-size SD1.5 checkpoint, building it if needed."""
+def sd15_checkpoint() -> Path:
+    """Path of the random full-size SD1.5 checkpoint (ComfyUI and the pack imported), building it if needed."""
     root = import_comfy()
     load_pack()
-    import comfy.sd
-
     from scripts.make_checkpoint import ensure_checkpoint
 
-    path = ensure_checkpoint(root)
+    return ensure_checkpoint(root)
+
+
+def load_sd15():
+    """(model patcher, clip, vae) of the random full-size SD1.5 checkpoint, building it if needed."""
+    path = sd15_checkpoint()
+    import comfy.sd
+
     model, clip, vae, _ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
     return model, clip, vae
+
+
+def load_sd15_unet():
+    """The model patcher of the random full-size SD1.5 checkpoint's UNet alone (no text encoder, no VAE)."""
+    path = sd15_checkpoint()
+    import comfy.sd
+
+    return comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=False)[0]
 
 
 def encode(clip, text: str) -> list:
