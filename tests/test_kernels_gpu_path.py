@@ -30,7 +30,7 @@ from comfyui_int8_accel.kernels import (
     weight_changed,
 )
 from comfyui_int8_accel.kernels.weight_cache import CACHE
-from tests.support.int8_exact import exact_conv, exact_linear
+from tests.support.int8_exact import exact_conv, exact_linear, run_on_backend
 
 QMAX = {8: 127, 7: 63}
 TRITON = ops.backend_unavailable_reason("triton")
@@ -49,14 +49,6 @@ def weights(shape, bits: int, seed: int = 0):
     w = torch.randn(*shape, generator=g) / (torch.Size(shape[1:]).numel() ** 0.5)
     q, s = quantize_weight_per_channel(w, QMAX[bits])
     return q, s, torch.randn(shape[0], generator=g)
-
-
-def run(backend: str, fn, *args):
-    op = "linear" if fn is int8_linear else "conv2d"
-    with force_backend(backend), record_calls() as calls:
-        y = fn(*args)
-    assert calls == {(op, backend, "int8"): 1}
-    return y
 
 
 def assert_exact(y: torch.Tensor, exact_fn, *args) -> None:
@@ -78,11 +70,11 @@ def test_linear_is_exactly_its_definition(backend, x_shape, n, bias, dtype, bits
     q, s, b = weights((n, x_shape[-1]), bits)
     b = b.to(dtype) if bias else None
     x = (torch.randn(*x_shape) * 3).to(dtype)
-    y = run(backend, int8_linear, x, q, s, b)
+    y = run_on_backend(backend, int8_linear, x, q, s, b)
     assert y.dtype == dtype
     with force_backend(backend):
         assert_exact(y, exact_linear, x, q, s, b)
-    assert normalized_mse(y, run("reference", int8_linear, x, q, s, b)) < (1e-12 if dtype == torch.float32 else 1e-4)
+    assert normalized_mse(y, run_on_backend("reference", int8_linear, x, q, s, b)) < (1e-12 if dtype == torch.float32 else 1e-4)
 
 
 @pytest.mark.parametrize("bits", [7, 8])
@@ -99,11 +91,11 @@ def test_conv_is_exactly_its_definition(backend, x_shape, cout, kernel, stride, 
     b = b.to(dtype) if bias else None
     x = (torch.randn(*x_shape).relu() - 0.3).to(dtype)  # asymmetric: a zero point that is not 128
     args = (x, q, s, b, [stride] * 2, [padding] * 2, [dilation] * 2, groups)
-    y = run(backend, int8_conv2d, *args)
+    y = run_on_backend(backend, int8_conv2d, *args)
     assert y.dtype == dtype and y.is_contiguous()
     with force_backend(backend):  # borders included: padding is the zero point, removed exactly
         assert_exact(y, exact_conv, *args)
-    assert normalized_mse(y, run("reference", int8_conv2d, *args)) < (1e-12 if dtype == torch.float32 else 1e-4)
+    assert normalized_mse(y, run_on_backend("reference", int8_conv2d, *args)) < (1e-12 if dtype == torch.float32 else 1e-4)
 
 
 def test_divisions_are_ieee_on_every_path():
@@ -120,7 +112,7 @@ def test_aligned_linear_weights_are_used_as_they_are():
     q, s, b = weights((64, 128), 8)
     before = CACHE.builds.copy()
     assert cuda_backend.prepared_linear_weight(q) is q  # K, N multiples of 8: no copy, nothing to go stale
-    run("cuda", int8_linear, torch.randn(20, 128), q, s, b)
+    run_on_backend("cuda", int8_linear, torch.randn(20, 128), q, s, b)
     assert CACHE.builds == before
 
 
@@ -131,8 +123,8 @@ def test_a_weight_used_twice_is_prepared_once_and_again_when_it_changes(backend,
     x, cx = torch.randn(33, 100), torch.randn(1, 4, 10, 10)
     before = CACHE.builds.copy()
     for _ in range(3):
-        y = run(backend, int8_linear, x, q, s, b)
-        cy = run(backend, int8_conv2d, cx, cq, cs, cb, 1, 1)
+        y = run_on_backend(backend, int8_linear, x, q, s, b)
+        cy = run_on_backend(backend, int8_conv2d, cx, cq, cs, cb, 1, 1)
     built = CACHE.builds - before
     expected = Counter({"int-mm-linear": 1, "column-sums": 1})
     if backend == "cuda":
@@ -144,31 +136,31 @@ def test_a_weight_used_twice_is_prepared_once_and_again_when_it_changes(backend,
     rows, sums = cuda_backend.prepared_linear_weight(q), cuda_backend.weight_column_sums(cq)
     q.data.copy_(-q)
     cq.data.copy_(-cq)
-    assert torch.equal(run(backend, int8_linear, x, q, s, b), y), "no stamp sees a .data write off the CPU"
+    assert torch.equal(run_on_backend(backend, int8_linear, x, q, s, b), y), "no stamp sees a .data write off the CPU"
     weight_changed(q)
     weight_changed(cq)
     assert CACHE.builds - before == expected + expected  # each rebuilt once
     assert cuda_backend.prepared_linear_weight(q) is rows and cuda_backend.weight_column_sums(cq) is sums
-    assert torch.equal(run(backend, int8_linear, x, q, s, b), exact_linear(x, q, s, b))
-    assert torch.equal(run(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), exact_conv(cx, cq, cs, cb, 1, 1, 1, 1))
-    assert not torch.equal(run(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), cy)
+    assert torch.equal(run_on_backend(backend, int8_linear, x, q, s, b), exact_linear(x, q, s, b))
+    assert torch.equal(run_on_backend(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), exact_conv(cx, cq, cs, cb, 1, 1, 1, 1))
+    assert not torch.equal(run_on_backend(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), cy)
 
     # An ordinary in-place write bumps the version counter: seen without being announced.
     after_announce = CACHE.builds.copy()
     q.mul_(-1)
-    assert torch.equal(run(backend, int8_linear, x, q, s, b), y)
+    assert torch.equal(run_on_backend(backend, int8_linear, x, q, s, b), y)
     assert CACHE.builds - after_announce == {"int-mm-linear": 1}
 
 
 def test_on_the_cpu_the_checksum_sees_data_writes():
     q, s, b = weights((36, 100), 8, seed=5)
     x = torch.randn(20, 100)
-    y = run("cuda", int8_linear, x, q, s, b)
+    y = run_on_backend("cuda", int8_linear, x, q, s, b)
     before = CACHE.builds.copy()
     q.data.copy_(-q)
-    assert torch.equal(run("cuda", int8_linear, x, q, s, b), exact_linear(x, q, s, b))
+    assert torch.equal(run_on_backend("cuda", int8_linear, x, q, s, b), exact_linear(x, q, s, b))
     assert CACHE.builds - before == {"int-mm-linear": 1}
-    assert not torch.equal(run("cuda", int8_linear, x, q, s, b), y)
+    assert not torch.equal(run_on_backend("cuda", int8_linear, x, q, s, b), y)
 
 
 def test_cache_entries_die_with_their_weight(off_cpu_cache):
@@ -176,7 +168,7 @@ def test_cache_entries_die_with_their_weight(off_cpu_cache):
 
     q, s, b = weights((36, 100), 8, seed=6)
     before = len(CACHE)
-    run("cuda", int8_linear, torch.randn(20, 100), q, s, b)
+    run_on_backend("cuda", int8_linear, torch.randn(20, 100), q, s, b)
     assert len(CACHE) == before + 1
     del q
     gc.collect()

@@ -34,7 +34,7 @@ from comfyui_int8_accel.kernels import (  # noqa: E402
     weight_changed,
 )
 from comfyui_int8_accel.kernels.weight_cache import CACHE  # noqa: E402
-from tests.support.int8_exact import exact_conv, exact_linear  # noqa: E402
+from tests.support.int8_exact import exact_conv, exact_linear, run_on_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -49,14 +49,6 @@ def weights(shape, bits: int = 8, seed: int = 0):
     w = torch.randn(*shape, generator=g) / (torch.Size(shape[1:]).numel() ** 0.5)
     q, s = quantize_weight_per_channel(w, QMAX[bits])
     return q.to(DEVICE), s.to(DEVICE), torch.randn(shape[0], generator=g).to(DEVICE)
-
-
-def run(backend: str, fn, *args):
-    op = "linear" if fn is int8_linear else "conv2d"
-    with force_backend(backend), record_calls() as calls:
-        y = fn(*args)
-    assert calls == {(op, backend, "int8"): 1}
-    return y
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +74,10 @@ def test_triton_runs_compiled():
 def test_linear_matches_its_definition(backend, x_shape, n, dtype, bits):
     q, s, b = weights((n, x_shape[-1]), bits)
     x = (torch.randn(*x_shape, device=DEVICE) * 2).to(dtype)
-    y = run(backend, int8_linear, x, q, s, b.to(dtype))
+    y = run_on_backend(backend, int8_linear, x, q, s, b.to(dtype))
     assert y.dtype == dtype and y.shape == (*x_shape[:-1], n)
     assert torch.equal(y, exact_linear(x, q, s, b.to(dtype)))  # IEEE divisions, no FMA: exact on the GPU too
-    assert normalized_mse(y, run("reference", int8_linear, x, q, s, b.to(dtype))) < 1e-4
+    assert normalized_mse(y, run_on_backend("reference", int8_linear, x, q, s, b.to(dtype))) < 1e-4
 
 
 @pytest.mark.parametrize("bits", [7, 8])
@@ -100,10 +92,10 @@ def test_conv_matches_its_definition(backend, x_shape, cout, kernel, stride, pad
     q, s, b = weights((cout, x_shape[1] // groups, kernel, kernel), bits)
     x = (torch.randn(*x_shape, device=DEVICE).relu() - 0.25).to(dtype)
     args = (x, q, s, b.to(dtype), [stride] * 2, [padding] * 2, [1, 1], groups)
-    y = run(backend, int8_conv2d, *args)
+    y = run_on_backend(backend, int8_conv2d, *args)
     assert y.dtype == dtype and y.is_contiguous()
     assert torch.equal(y, exact_conv(*args))
-    assert normalized_mse(y, run("reference", int8_conv2d, *args)) < 1e-4
+    assert normalized_mse(y, run_on_backend("reference", int8_conv2d, *args)) < 1e-4
 
 
 # ---- weight cache ---------------------------------------------------------------------------------------------
@@ -118,9 +110,9 @@ def test_weights_are_prepared_once_per_version(backend):
                  torch.randn(2, 77, 768, device=DEVICE, dtype=torch.bfloat16))  # fmt: skip
     before = CACHE.builds.copy()
     for _ in range(3):
-        run(backend, int8_linear, x, q, s, b.half())
-        cy = run(backend, int8_conv2d, cx, cq, cs, cb, 1, 1)
-        run(backend, int8_linear, ax, aq, as_, ab.bfloat16())
+        run_on_backend(backend, int8_linear, x, q, s, b.half())
+        cy = run_on_backend(backend, int8_conv2d, cx, cq, cs, cb, 1, 1)
+        run_on_backend(backend, int8_linear, ax, aq, as_, ab.bfloat16())
     expected = Counter({"int-mm-linear": 1, "column-sums": 1})
     if backend == "cuda":
         expected["int-mm-conv-g1"] = 1
@@ -131,8 +123,8 @@ def test_weights_are_prepared_once_per_version(backend):
     cq.data.copy_(-cq)  # what ComfyUI's restores do; the writer announces it
     weight_changed(cq)
     assert cuda_backend.weight_column_sums(cq) is sums  # rebuilt in place: captured graphs stay valid
-    assert torch.equal(run(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), exact_conv(cx, cq, cs, cb, 1, 1, 1, 1))
-    assert not torch.equal(run(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), cy)
+    assert torch.equal(run_on_backend(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), exact_conv(cx, cq, cs, cb, 1, 1, 1, 1))
+    assert not torch.equal(run_on_backend(backend, int8_conv2d, cx, cq, cs, cb, 1, 1), cy)
 
 
 # ---- no host sync, CUDA graphs --------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from comfyui_int8_accel.kernels import quant
+from comfyui_int8_accel.kernels import force_backend, int8_linear, quant, record_calls
 
 
 def exact_linear(x, q_weight, w_scale, bias, out_dtype=None):
@@ -31,3 +31,12 @@ def exact_conv(x, q_weight, w_scale, bias, stride, padding, dilation, groups, ou
     if bias is not None:
         y = y + bias.to(torch.float32)[None, :, None, None]
     return y.to(out_dtype or x.dtype)
+
+
+def run_on_backend(backend: str, fn, *args):
+    """`fn` (int8_linear or int8_conv2d) on one backend, checking that it ran that backend's INT8 kernel once."""
+    op = "linear" if fn is int8_linear else "conv2d"
+    with force_backend(backend), record_calls() as calls:
+        y = fn(*args)
+    assert calls == {(op, backend, "int8"): 1}
+    return y
