@@ -6,6 +6,7 @@ page lists them."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import shutil
 import subprocess
@@ -145,12 +146,17 @@ def test_comfyui_runs_the_save_after_the_sampler_only_when_after_sampling_is_lin
             execution.complete_node_execution()
         return order
 
+    def run(prompt: dict) -> list[str]:
+        # a thread of its own: the browser tests' Playwright may leave an event loop running on this one
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, execution_order(prompt)).result()
+
     shipped = strip_meta(load_api(INT8_SAVE))
-    order = asyncio.run(execution_order(shipped))
+    order = run(shipped)
     assert order.index("KSampler") < order.index("Int8AccelSaveModel"), order
     unlinked = strip_meta(load_api(INT8_SAVE))
     del unlinked[node_of(unlinked, "Int8AccelSaveModel")]["inputs"]["after_sampling"]
-    order = asyncio.run(execution_order(unlinked))
+    order = run(unlinked)
     assert order.index("Int8AccelSaveModel") < order.index("KSampler"), order
 
 
