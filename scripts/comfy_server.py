@@ -161,6 +161,13 @@ class ComfyServer:
     def post_prompt(self, prompt: dict) -> requests.Response:
         return requests.post(f"{self.url}/prompt", json={"prompt": prompt, "client_id": self.client_id}, timeout=60)
 
+    def drop_cached_outputs(self) -> None:
+        """Make the next prompt execute every node: ComfyUI's /free with free_memory resets its output cache
+        (and unloads models) once its worker wakes, which the request does at once; the pause lets it."""
+        response = requests.post(f"{self.url}/free", json={"free_memory": True}, timeout=30)
+        response.raise_for_status()
+        time.sleep(1.0)
+
     def queue(self, prompt: dict) -> str:
         response = self.post_prompt(prompt)
         body = response.json()

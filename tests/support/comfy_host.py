@@ -45,6 +45,14 @@ def import_comfy() -> Path:
     comfy.cli_args.args.disable_all_custom_nodes = True
     import comfy.model_management  # noqa: F401
 
+    # ComfyUI's top-level `nodes` module shares its name with this repository's `nodes/` package, and pytest
+    # puts the repository ahead of ComfyUI on sys.path while collecting: bind ComfyUI's now, so a later
+    # `import nodes` (ComfyUI's own, e.g. in comfy_execution.graph) never finds ours.
+    sys.path.remove(str(root))
+    sys.path.insert(0, str(root))
+    import nodes
+
+    assert Path(nodes.__file__).resolve().parent == root.resolve(), nodes.__file__
     return root
 
 
