@@ -104,12 +104,14 @@ def tiny_model_config(kind: str):
     return cfg
 
 
-def build_tiny_model(kind: str = "sd15", seed: int = 0):
-    """A ModelPatcher around a tiny `kind` model ('sd15', 'sdxl', 'flux', 'sd3') on the CPU, fp32."""
+def build_tiny_model(kind: str = "sd15", seed: int = 0, unet_config: dict | None = None):
+    """A ModelPatcher around a tiny `kind` model ('sd15', 'sdxl', 'flux', 'sd3') on the CPU, fp32;
+    `unet_config` entries replace the tiny configuration's."""
     import comfy.model_management
     import comfy.model_patcher
 
     cfg = tiny_model_config(kind)
+    cfg.unet_config.update(unet_config or {})
     cfg.set_inference_dtype(torch.float32, None)
     base = cfg.get_model({})
     _fill_weights(base, seed)
