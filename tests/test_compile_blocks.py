@@ -111,6 +111,16 @@ def test_environment_selects_blocks_on_the_cpu(cm, monkeypatch, caplog):
     assert override._int8_accel_sdpa == 0  # all CPU attention through SDPA, which traces without a break
 
 
+def test_missing_backend_runs_eagerly(cm, caplog):
+    model = _tiny("flux", seed=7)
+    with caplog.at_level(logging.WARNING):
+        compiled = cm.compile_model(model, cm.CompileSettings(backend="no_such_backend"), strategy="blocks")
+    assert any("running eagerly" in r.getMessage() for r in caplog.records)
+    assert "int8_accel_compile" not in compiled.wrappers.get("apply_model", {})
+    eager = sample(model, "flux", steps=1, height=128, width=128)
+    assert _rel(sample(compiled, "flux", steps=1, height=128, width=128), eager) < RTOL
+
+
 def test_repeated_blocks(blocks):
     from comfy.ldm.flux.layers import DoubleStreamBlock, SingleStreamBlock
     from comfy.ldm.modules.attention import SpatialTransformer

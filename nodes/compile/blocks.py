@@ -14,6 +14,7 @@ otherwise make dynamo guard per block or per weight and recompile:
   region gets the options without the position when nothing reads it, and runs eagerly when something does;
 * loaded weights have requires_grad=True while ComfyUI installs LoRA-patched ones with False, so the weights of
   the swapped-in blocks run with False (restored afterwards; sampling never needs their gradients).
+A block runs eagerly while Python code watches or patches its layers (`runs_eagerly`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..layers import layer_kind
 from .attention import only_own_override
 from .regions import CompiledRegion
 from .settings import BLOCK_RECOMPILE_LIMIT, CompileSettings
@@ -59,9 +59,9 @@ def _parameter_count(module: torch.nn.Module) -> int:
 def _is_block_list(module: torch.nn.Module) -> bool:
     if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
         return False
-    first = module[0]
-    return (all(type(block) is type(first) for block in module) and layer_kind(first) is None
-            and not isinstance(first, torch.nn.ModuleList) and next(first.parameters(), None) is not None)
+    first = module[0]  # a block: a module made of modules, with weights (not a list of norms or of Linears)
+    return (all(type(block) is type(first) for block in module) and not isinstance(first, torch.nn.ModuleList)
+            and next(first.children(), None) is not None and next(first.parameters(), None) is not None)
 
 
 def _block_lists(diffusion_model: torch.nn.Module) -> list[torch.nn.ModuleList]:
