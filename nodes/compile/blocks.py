@@ -119,7 +119,7 @@ def block_region(cls: type, settings: CompileSettings) -> CompiledRegion:
         _block_regions[key] = CompiledRegion(
             _block_runner(cls), name=f"{cls.__name__} blocks",
             compile_kwargs=settings.compile_kwargs(recompile_limit=BLOCK_RECOMPILE_LIMIT),
-            config_patches=settings.dynamic_shape_config())
+            config_patches=settings.block_region_config())
     return _block_regions[key]
 
 

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -56,16 +57,23 @@ class CompileSettings:
             kwargs["recompile_limit"] = recompile_limit
         return supported_compile_kwargs(kwargs)
 
-    def dynamic_shape_config(self) -> list[tuple[Any, dict[str, Any]]]:
-        """(config module, settings) put in force while a block region compiles. With dynamic shapes: the
-        weights' shapes are dynamic too (one graph serves blocks of every width, not one per channel count),
-        and sizes that happen to be equal are not assumed equal (a square latent, or one as tall as the
+    def block_region_config(self) -> list[tuple[Any, dict[str, Any]]]:
+        """(config module, settings) put in force while a block region compiles: modules' weights are graph
+        inputs (PyTorch before 2.5 made them constants by default, so every LoRA would recompile); with dynamic
+        shapes the weights' shapes are dynamic too (one graph serves blocks of every width, not one per channel
+        count), and sizes that happen to be equal are not assumed equal (a square latent, or one as tall as the
         prompt is long, would otherwise recompile at the first other resolution)."""
-        if not self.torch_dynamic():
-            return []
-        wanted = [("torch._dynamo.config", {"force_parameter_static_shapes": False,
-                                            "force_nn_module_property_static_shapes": False}),
-                  ("torch.fx.experimental._config", {"use_duck_shape": False})]
+        wanted: list[tuple[str, dict[str, Any]]] = []
+        with warnings.catch_warnings():  # recent PyTorch deprecates the switch (always on)
+            warnings.simplefilter("ignore")
+            import torch._dynamo.config as dynamo_config
+
+            if getattr(dynamo_config, "inline_inbuilt_nn_modules", True) is False:
+                wanted.append(("torch._dynamo.config", {"inline_inbuilt_nn_modules": True}))
+        if self.torch_dynamic():
+            wanted += [("torch._dynamo.config", {"force_parameter_static_shapes": False,
+                                                 "force_nn_module_property_static_shapes": False}),
+                       ("torch.fx.experimental._config", {"use_duck_shape": False})]
         patches = []
         for module_name, changes in wanted:
             try:
@@ -79,8 +87,8 @@ class CompileSettings:
 
 
 def resolve_strategy(device: torch.device, requested: str | None = None) -> str:
-    """"blocks" or "cpu-pieces" for `device`: `requested`, else the INT8_ACCEL_COMPILE_STRATEGY environment
-    variable, else "auto" (cpu-pieces on the CPU, blocks elsewhere). An unknown name is a ValueError."""
+    """The strategy for `device`, "blocks" or "cpu-pieces": `requested`, else the INT8_ACCEL_COMPILE_STRATEGY
+    environment variable, else "auto" (cpu-pieces on the CPU, blocks elsewhere). An unknown name: ValueError."""
     source = "strategy" if requested is not None else STRATEGY_ENV
     name = requested if requested is not None else os.environ.get(STRATEGY_ENV, "auto")
     name = name.strip().lower()
