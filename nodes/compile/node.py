@@ -14,10 +14,12 @@ class Int8AccelCompile(io.ComfyNode):
         return pack_schema(
             "Int8AccelCompile", "Compile Model",
             description=(
-                "Speeds up sampling with torch.compile, compiling only the pieces that win on your device "
-                "(on the CPU also prepacked conv/linear weights and fused attention). Compiles on the first "
-                "run; LoRA before or after this node keeps working; falls back to eager with a warning if the "
-                "backend or compiler is missing."),
+                "Speeds up sampling with torch.compile. On a GPU it compiles the diffusion model's repeated "
+                "blocks (UNet, Flux, SD3 and other DiTs); on the CPU the pieces measured faster there "
+                "(prepacked conv/linear weights, fused attention, the GEGLU gate). Compiles on the first run; "
+                "LoRA and strength changes never recompile, nor do new resolutions with dynamic auto/true; falls "
+                "back to eager with a warning if the backend or compiler is missing. INT8_ACCEL_COMPILE_STRATEGY=blocks|cpu-pieces overrides "
+                "the choice."),
             inputs=[
                 io.Model.Input("model", tooltip="The model to compile (it is cloned, never changed)."),
                 io.Combo.Input("backend", options=available_backends(), default="inductor", tooltip=(

@@ -3,9 +3,11 @@ settings and shared by every model compiled with them, with their compile times 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,12 +61,23 @@ def geglu_gate(h: torch.Tensor) -> torch.Tensor:
 
 
 class CompiledRegion(CompiledOrEager):
-    """A function compiled with the node's settings (eager for good if compiling fails), named in the log."""
+    """A function compiled with the node's settings (eager for good if compiling fails), named in the log;
+    `config_patches` ((config module, settings) pairs) are put in force around each call, since torch.compile
+    reads them when a call compiles."""
 
-    def __call__(self, *args):
+    def __init__(self, fn, *, config_patches: list[tuple[Any, dict]] | None = None, **kwargs) -> None:
+        super().__init__(fn, **kwargs)
+        self.config_patches = list(config_patches or [])
+
+    def __call__(self, *args, **kwargs):
         _region_state.name = self.name
         try:
-            return super().__call__(*args)
+            if not self.config_patches or self.disabled_reason is not None:
+                return super().__call__(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                for module, changes in self.config_patches:
+                    stack.enter_context(module.patch(changes))
+                return super().__call__(*args, **kwargs)
         finally:
             _region_state.name = None
 

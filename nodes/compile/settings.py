@@ -1,10 +1,13 @@
-"""The Compile Model node's settings and the torch.compile arguments they mean."""
+"""The Compile Model node's settings, the torch.compile arguments they mean, and the compile strategy."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import logging
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -19,6 +22,15 @@ MODE_CHOICES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-c
 DYNAMIC_CHOICES = ["auto", "true", "false"]
 # With static shapes every (channels, size) pair is a new graph: allow enough for a few resolutions.
 STATIC_RECOMPILE_LIMIT = 64
+# A block region serves every block of its class: one graph per structural variant (a UNet ResBlock with or
+# without a skip conv, SD3's last joint block, ...) and, with static shapes, per channel count and size.
+BLOCK_RECOMPILE_LIMIT = 64
+
+# What Compile Model compiles: "blocks" (the diffusion model's repeated blocks, the strategy for GPUs),
+# "cpu-pieces" (prepacked weights, fused attention and the GEGLU gate, measured faster on the CPU) or "auto"
+# (blocks on every device but the CPU).
+STRATEGY_ENV = "INT8_ACCEL_COMPILE_STRATEGY"
+STRATEGY_CHOICES = ("auto", "blocks", "cpu-pieces")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,14 +45,58 @@ class CompileSettings:
         # means dynamic from the start: static-first would recompile inside the very first step
         return self.dynamic != "false"
 
-    def compile_kwargs(self) -> dict[str, Any]:
+    def compile_kwargs(self, recompile_limit: int | None = None) -> dict[str, Any]:
+        """torch.compile's keywords; `recompile_limit` per compiled region (static shapes get a raised one)."""
         kwargs: dict[str, Any] = {"backend": self.backend, "dynamic": self.torch_dynamic(),
                                   "fullgraph": self.fullgraph, "isolate_recompiles": True}
         if self.backend == "inductor" and self.mode != "default":
             kwargs["mode"] = self.mode
-        if self.dynamic == "false":
-            kwargs["recompile_limit"] = STATIC_RECOMPILE_LIMIT
+        if recompile_limit is None and self.dynamic == "false":
+            recompile_limit = STATIC_RECOMPILE_LIMIT
+        if recompile_limit is not None:
+            kwargs["recompile_limit"] = recompile_limit
         return supported_compile_kwargs(kwargs)
+
+    def block_region_config(self) -> list[tuple[Any, dict[str, Any]]]:
+        """(config module, settings) put in force while a block region compiles: modules' weights are graph
+        inputs (PyTorch before 2.5 made them constants by default, so every LoRA would recompile); with dynamic
+        shapes the weights' shapes are dynamic too (one graph serves blocks of every width, not one per channel
+        count), and sizes that happen to be equal are not assumed equal (a square latent, or one as tall as the
+        prompt is long, would otherwise recompile at the first other resolution)."""
+        wanted: list[tuple[str, dict[str, Any]]] = []
+        with warnings.catch_warnings():  # recent PyTorch deprecates the switch (always on)
+            warnings.simplefilter("ignore")
+            import torch._dynamo.config as dynamo_config
+
+            if getattr(dynamo_config, "inline_inbuilt_nn_modules", True) is False:
+                wanted.append(("torch._dynamo.config", {"inline_inbuilt_nn_modules": True}))
+        if self.torch_dynamic():
+            wanted += [("torch._dynamo.config", {"force_parameter_static_shapes": False,
+                                                 "force_nn_module_property_static_shapes": False}),
+                       ("torch.fx.experimental._config", {"use_duck_shape": False})]
+        patches = []
+        for module_name, changes in wanted:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:  # an older PyTorch: compile with its defaults
+                continue
+            supported = {name: value for name, value in changes.items() if hasattr(module, name)}
+            if supported:
+                patches.append((module, supported))
+        return patches
+
+
+def resolve_strategy(device: torch.device, requested: str | None = None) -> str:
+    """The strategy for `device`, "blocks" or "cpu-pieces": `requested`, else the INT8_ACCEL_COMPILE_STRATEGY
+    environment variable, else "auto" (cpu-pieces on the CPU, blocks elsewhere). An unknown name: ValueError."""
+    source = "strategy" if requested is not None else STRATEGY_ENV
+    name = requested if requested is not None else os.environ.get(STRATEGY_ENV, "auto")
+    name = name.strip().lower()
+    if name not in STRATEGY_CHOICES:
+        raise ValueError(f"Compile Model: {source} {name!r} is not one of {', '.join(STRATEGY_CHOICES)}.")
+    if name == "auto":
+        return "cpu-pieces" if torch.device(device).type == "cpu" else "blocks"
+    return name
 
 
 def supported_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """The run-time swap: for the duration of one model call, the forwards of the diffusion model's modules are
-replaced by compiled regions and prepacked kernels, chosen from the modules present right now (so LoRA,
-INT8 layers swapped in by another node and offloaded layers are respected), and put back afterwards."""
+replaced by compiled regions and prepacked kernels (the cpu-pieces strategy) or compiled blocks (blocks.py),
+chosen from the modules present right now (so LoRA, INT8 layers swapped in by another node and offloaded
+layers are respected), and put back afterwards."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,12 +76,19 @@ def make_apply_model_wrapper(regions: dict[str, CompiledRegion], *, prepack: boo
         stamp = getattr(base_model, "current_weight_patches_uuid", None)
         plan = plan_forwards(diffusion_model, regions, prepack=prepack and torch.device(device).type == "cpu",
                              stamp=stamp, group_norm_silu=group_norm_silu)
-        for module, forward in plan:
-            module.forward = forward
-        try:
+        with swapped_forwards(plan):
             return executor(*args, **kwargs)
-        finally:
-            for module, _ in plan:
-                module.__dict__.pop("forward", None)
 
     return apply_model_wrapper
+
+
+@contextlib.contextmanager
+def swapped_forwards(plan: list[tuple[torch.nn.Module, Callable]]) -> Iterator[None]:
+    """Each module of `plan` runs its planned forward inside; its own class forward again afterwards."""
+    for module, forward in plan:
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, _ in plan:
+            module.__dict__.pop("forward", None)

@@ -178,9 +178,13 @@ def build_random_model(cfg, seed: int = 0, weight_std: float = 0.02):
     return comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=torch.device("cpu"))
 
 
-def build_tiny_model(kind: str = "sd15", seed: int = 0, weight_std: float = 0.02):
-    """A ModelPatcher around a tiny `kind` model (a key of LATENTS) on the CPU, fp32, weights N(0, weight_std)."""
-    return build_random_model(tiny_model_config(kind), seed, weight_std)
+def build_tiny_model(kind: str = "sd15", seed: int = 0, weight_std: float = 0.02,
+                     unet_config: dict | None = None):
+    """A ModelPatcher around a tiny `kind` model (a key of LATENTS) on the CPU, fp32, weights N(0, weight_std);
+    `unet_config` entries replace the tiny configuration's."""
+    cfg = tiny_model_config(kind)
+    cfg.unet_config.update(unet_config or {})
+    return build_random_model(cfg, seed, weight_std)
 
 
 def make_conditioning(kind: str, batch: int = 1, tokens: int = 8, seed: int = 1,

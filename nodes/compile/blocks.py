@@ -1,0 +1,217 @@
+"""The blocks strategy: every repeated block of the diffusion model runs through one compiled region per block
+class, swapped in only while the model runs.
+
+Which blocks: a UNet's ResBlocks and SpatialTransformers (inside its input, middle and output blocks), else
+the block lists of a DiT (direct child ModuleLists of one block class holding a real share of the weights:
+Flux's double and single blocks, SD3's joint blocks, most other DiTs' `blocks`/`layers`), else the largest
+such list anywhere. Everything between blocks (embeddings, the sampler-facing forward, DeepCache's step logic,
+ControlNet additions) stays eager Python, so block replacements and skipped blocks compose.
+
+Recompiles: a region's graphs serve every block of its class (weights are graph inputs, and with dynamic
+shapes so are their sizes), so LoRA, strength changes and new resolutions reuse them. Two things would
+otherwise make dynamo guard per block or per weight and recompile:
+* a UNet transformer reads its position from transformer_options (only to look up attention patches), so its
+  region gets the options without the position when nothing reads it, and runs eagerly when something does;
+* loaded weights have requires_grad=True while ComfyUI installs LoRA-patched ones with False, so the weights of
+  the swapped-in blocks run with False (restored afterwards; sampling never needs their gradients).
+A block runs eagerly while Python code watches or patches its layers (`runs_eagerly`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .attention import only_own_override
+from .regions import CompiledRegion
+from .settings import BLOCK_RECOMPILE_LIMIT, CompileSettings
+from .swap import swapped_forwards
+
+log = logging.getLogger("int8_accel.compile")
+
+# A DiT block list counts when it holds at least this share of the diffusion model's weights.
+BLOCK_LIST_MIN_SHARE = 0.1
+# What a UNet transformer block reads from transformer_options besides the attention override: patches and
+# replacements that receive its position.
+POSITION_READING_PATCHES = ("attn1_patch", "attn2_patch", "attn1_output_patch", "attn2_output_patch", "middle_patch")
+POSITION_READING_REPLACEMENTS = ("attn1", "attn2")
+
+
+def _unet_blocks(diffusion_model: torch.nn.Module) -> list[torch.nn.Module] | None:
+    from comfy.ldm.modules.attention import SpatialTransformer
+    from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, UNetModel
+
+    if not isinstance(diffusion_model, UNetModel):
+        return None
+    stages = [*diffusion_model.input_blocks, diffusion_model.middle_block, *diffusion_model.output_blocks]
+    # exact classes: the video variants take other arguments and are left eager
+    return [layer for stage in stages if stage is not None for layer in stage
+            if type(layer) in (ResBlock, SpatialTransformer)]
+
+
+def _parameter_count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _is_block_list(module: torch.nn.Module) -> bool:
+    if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+        return False
+    first = module[0]  # a block: a module made of modules, with weights (not a list of norms or of Linears)
+    return (all(type(block) is type(first) for block in module) and not isinstance(first, torch.nn.ModuleList)
+            and next(first.children(), None) is not None and next(first.parameters(), None) is not None)
+
+
+def _block_lists(diffusion_model: torch.nn.Module) -> list[torch.nn.ModuleList]:
+    total = max(1, _parameter_count(diffusion_model))
+    lists = [child for child in diffusion_model.children() if _is_block_list(child)]
+    lists = [blocks for blocks in lists if _parameter_count(blocks) >= BLOCK_LIST_MIN_SHARE * total]
+    if lists:
+        return lists
+    anywhere = [module for module in diffusion_model.modules() if _is_block_list(module)]
+    return [max(anywhere, key=_parameter_count)] if anywhere else []
+
+
+def repeated_blocks(diffusion_model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks the blocks strategy compiles, in execution order where the model has one."""
+    unet = _unet_blocks(diffusion_model)
+    if unet is not None:
+        return unet
+    return [block for blocks in _block_lists(diffusion_model) for block in blocks]
+
+
+def position_free_options(options: dict | None) -> dict | None:
+    """What a UNet transformer's region gets for transformer_options: the attention override alone (the rest
+    is read only by attention patches, and the position would make dynamo compile once per position), or
+    None when a patch or another pack's attention override is there to read the position."""
+    options = options or {}
+    patches = options.get("patches") or {}
+    replacements = options.get("patches_replace") or {}
+    override = options.get("optimized_attention_override")
+    if (any(patches.get(name) for name in POSITION_READING_PATCHES)
+            or any(replacements.get(name) for name in POSITION_READING_REPLACEMENTS)
+            or not only_own_override(override)):
+        return None
+    return {} if override is None else {"optimized_attention_override": override}
+
+
+def _block_runner(cls: type) -> Callable:
+    def run_block(module, *args, **kwargs):
+        return type(module).forward(module, *args, **kwargs)
+
+    # dynamo keeps compiled graphs and recompile counts per code object: one per block class keeps the
+    # classes apart also where torch.compile cannot isolate them (no isolate_recompiles)
+    name = f"{cls.__name__}_block"
+    run_block.__code__ = run_block.__code__.replace(co_name=name)
+    run_block.__name__ = run_block.__qualname__ = name
+    return run_block
+
+
+_block_regions: dict[tuple[CompileSettings, type], CompiledRegion] = {}
+
+
+def block_region(cls: type, settings: CompileSettings) -> CompiledRegion:
+    """The region running blocks of class `cls` with these settings, shared by every model compiled with them."""
+    key = (settings, cls)
+    if key not in _block_regions:
+        _block_regions[key] = CompiledRegion(
+            _block_runner(cls), name=f"{cls.__name__} blocks",
+            compile_kwargs=settings.compile_kwargs(recompile_limit=BLOCK_RECOMPILE_LIMIT),
+            config_patches=settings.block_region_config())
+    return _block_regions[key]
+
+
+def runs_eagerly(block: torch.nn.Module) -> bool:
+    """True while Python code runs inside the block's layers or watches them: a forward hook (INT8
+    calibration measures layers that way), a dispatch mode (FLOP counting), or a weight patch applied per
+    forward (LoRA in low-VRAM mode; its memory checks break the graph). Compiled, the hooks and patches would
+    be traced into the graph or split it, and the mode would see none of the compiled ops."""
+    from torch.nn.modules import module as nn_module
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None or nn_module._global_forward_hooks \
+            or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "weight_function", None)
+               or getattr(m, "bias_function", None) for m in block.modules())
+
+
+_logged_eager_transformers = False
+
+
+def _unet_transformer_forward(module: torch.nn.Module, region: CompiledRegion) -> Callable:
+    def forward(x, context=None, transformer_options=None):
+        global _logged_eager_transformers
+        if transformer_options is None:
+            transformer_options = {}
+        if runs_eagerly(module):
+            return type(module).forward(module, x, context, transformer_options)
+        options = position_free_options(transformer_options)
+        if options is None:
+            if not _logged_eager_transformers:
+                _logged_eager_transformers = True
+                log.info("int8-accel compile: attention patches read the block position, so the UNet's "
+                         "transformers run eagerly while they are present (the other blocks stay compiled)")
+            return type(module).forward(module, x, context, transformer_options)
+        return region(module, x, context, options)
+
+    return forward
+
+
+def _block_forward(module: torch.nn.Module, region: CompiledRegion) -> Callable:
+    def forward(*args, **kwargs):
+        if runs_eagerly(module):
+            return type(module).forward(module, *args, **kwargs)
+        return region(module, *args, **kwargs)
+
+    return forward
+
+
+def plan_block_forwards(diffusion_model: torch.nn.Module,
+                        settings: CompileSettings) -> list[tuple[torch.nn.Module, Callable]]:
+    """The (block, forward) replacements for this call, chosen from the blocks present right now."""
+    from comfy.ldm.modules.attention import SpatialTransformer
+
+    plan = []
+    for block in repeated_blocks(diffusion_model):
+        if "forward" in block.__dict__:
+            continue  # someone already swapped this one's forward for the call: leave it
+        region = block_region(type(block), settings)
+        if type(block) is SpatialTransformer:
+            plan.append((block, _unet_transformer_forward(block, region)))
+        else:
+            plan.append((block, _block_forward(block, region)))
+    return plan
+
+
+@contextlib.contextmanager
+def weights_without_grad(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """The modules' weights with requires_grad=False inside (dynamo guards the flag per weight, and ComfyUI
+    mixes both values: loaded weights have True, the ones it patches or restores False); restored after.
+    Only where no gradient is computed, and only flags that can be set back."""
+    if torch.is_grad_enabled():
+        yield
+        return
+    inference = torch.is_inference_mode_enabled()
+    flipped = [p for module in modules for p in module.parameters()
+               if p.requires_grad and (inference or not p.is_inference())]
+    for p in flipped:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in flipped:
+            p.requires_grad_(True)
+
+
+def make_blocks_wrapper(settings: CompileSettings) -> Callable:
+    """The APPLY_MODEL wrapper that runs the diffusion model's blocks compiled for the duration of one call."""
+
+    def apply_model_wrapper(executor, *args, **kwargs):
+        plan = plan_block_forwards(executor.class_obj.diffusion_model, settings)
+        with swapped_forwards(plan), weights_without_grad([block for block, _ in plan]):
+            return executor(*args, **kwargs)
+
+    return apply_model_wrapper
