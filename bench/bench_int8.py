@@ -4,6 +4,7 @@ Reports the UNet step time ratio (median of steady steps, CFG batch of 2), the w
 (sampling + VAE decode) and the PSNR of the INT8 image and latent against the fp32 ones.
     python bench/bench_int8.py [--size 512] [--steps 20] [--repeats 2] [--quick] [--density-only]
 --density-only: just calibrate with the speed gate on every layer and write bench/results/int8_speed_gate.md.
+Results go to int8.md / int8_speed_gate.md on CPUs with VNNI/AMX, to *_no_vnni.md on the others.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import datetime
 import importlib
 import itertools
 import os
-import platform
 import tempfile
 
-import torch
-from common import encode, load_sd15, psnr, timed_sample, write_table
+from common import cpu_line, encode, load_sd15, psnr, result_name, timed_sample, write_table
 
 
 def main() -> None:
@@ -84,8 +83,8 @@ def main() -> None:
             print(f"--- {name}\n" + "\n".join(line for line in plan_of(variant).last_report.splitlines()
                                                if line.startswith(("summary:", "speed gate:"))))
     notes = [
-        f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}; full-size SD1.5 architecture with random weights, {args.size}x{args.size}, "
+        f"{datetime.date.today()}; {cpu_line()}.",
+        f"full-size SD1.5 architecture with random weights, {args.size}x{args.size}, "
         f"{args.steps} euler steps, CFG 7 (UNet batch 2), best of {args.repeats} interleaved runs.",
         "UNet step = median seconds per sampler step after the first; whole image = sampling + VAE decode.",
         "calibration = the first step of the first run: one fp32 forward with every candidate layer measured, "
@@ -93,9 +92,9 @@ def main() -> None:
         "PSNR against the fp32 baseline: image in [0,1]; latent with the baseline latent's range as peak.",
         "speed gate: calibration times each layer that passes the error and density gates in float and in INT8 on "
         "the real input (median of 3, layers of equal call signature timed once) and keeps INT8 only where it is "
-        "faster; `bench/results/int8_speed_gate.md` has those timings by compute density.",
+        f"faster; `bench/results/{result_name('int8_speed_gate')}.md` has those timings by compute density.",
     ]
-    write_table("int8", "INT8 vs fp32, full-size SD1.5 (CPU)",
+    write_table(result_name("int8"), "INT8 vs fp32, full-size SD1.5 (CPU)",
                 ["variant", "UNet step s", "step ratio", "image s", "image ratio", "calibration s",
                  "image PSNR dB", "latent PSNR dB"], rows, notes)
     write_density_table(plan_of(variants["INT8 density 0, mse 1, speed gate"]).last_result, args.size)
@@ -123,12 +122,12 @@ def write_density_table(result, size: int) -> None:
         rows.append([f"{low}-{high}", str(len(timed)), f"{faster}/{len(timed)}", f"{float_ms:.1f}", f"{int8_ms:.1f}",
                      f"{float_ms / int8_ms:.2f}x"])
     notes = [
-        f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{datetime.date.today()}; {cpu_line()}.",
         f"backend {result.backend}; full-size SD1.5 architecture, {size}x{size} (UNet batch 2), every eligible "
         f"layer timed by calibration's speed gate (median of 3 calls, float vs INT8, on the real input).",
         "density = M*K*N / (M*K + K*N + M*N) of the layer's call; ms = sum over the bucket's layers.",
     ]
-    write_table("int8_speed_gate", "Where INT8 wins: speed-gate timings by compute density (CPU)",
+    write_table(result_name("int8_speed_gate"), "Where INT8 wins: speed-gate timings by compute density (CPU)",
                 ["density", "layers", "INT8 faster", "float ms", "INT8 ms", "ratio"], rows, notes)
 
 

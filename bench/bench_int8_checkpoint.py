@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO_ROOT, load_sd15_unet, psnr, timed_sample, write_table
+from common import REPO_ROOT, cpu_line, load_sd15_unet, psnr, timed_sample, write_table
 
 from tests.support.comfy_host import import_comfy, load_pack
 from tests.support.int8_checks import model_bytes
@@ -144,25 +144,6 @@ def _spawn(args, *extra: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _cpu_line() -> str:
-    from comfyui_int8_accel.kernels import backend_for, weight_bits
-    from comfyui_int8_accel.kernels.quant import cpu_has_int8_dot_product
-
-    model, flags = "unknown CPU", set()
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
-    present = [f for f in wanted if f in flags]
-    return (f"{model}, {os.cpu_count()} cores, flags {' '.join(present)} (no {', '.join(f for f in wanted if f not in flags) or '-'}); "
-            f"int8 dot-product instructions (VNNI/AMX): {cpu_has_int8_dot_product()}, so INT8 weights are "
-            f"{weight_bits('cpu')}-bit; backend {backend_for('cpu')}; torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", type=int, default=512)
@@ -218,7 +199,7 @@ def main() -> None:
     load = os.getloadavg()
     psnrs = timing["latent_psnr_vs_fp32"]
     notes = [
-        f"{datetime.date.today()}, {_cpu_line()}.",
+        f"{datetime.date.today()}, {cpu_line()}.",
         f"Full-size SD1.5 UNet with random weights, fp32 on the CPU (ComfyUI's default there), {args.size}x"
         f"{args.size}, euler, CFG 7 (UNet batch 2), random 77-token context (no text encoder or VAE loaded).",
         f"on-the-fly INT8: Quantize Model (INT8) with compute_density_threshold 0 and the default error thresholds "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
 import time
@@ -106,3 +107,31 @@ def write_table(name: str, title: str, header: list[str], rows: list[list[str]],
     path.write_text(out)
     print(f"written to {path}")
     return path
+
+
+def cpu_line() -> str:
+    """This CPU as the bench results should name it: model, cores, the SIMD flags INT8 depends on, weight width."""
+    from comfyui_int8_accel.kernels import backend_for, weight_bits
+    from comfyui_int8_accel.kernels.quant import cpu_has_int8_dot_product
+
+    model, flags = "unknown CPU", set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name") and model == "unknown CPU":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+    present = [f for f in wanted if f in flags]
+    return (f"{model}, {os.cpu_count()} cores, flags {' '.join(present)} (no {', '.join(f for f in wanted if f not in flags) or '-'}); "
+            f"int8 dot-product instructions (VNNI/AMX): {cpu_has_int8_dot_product()}, so INT8 weights are "
+            f"{weight_bits('cpu')}-bit; backend {backend_for('cpu')}; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+
+
+def result_name(stem: str) -> str:
+    """`stem` on CPUs with an int8 dot product (VNNI/AMX), `stem_no_vnni` on the others: INT8 speed differs so
+    much between the two that a run on one must not overwrite the other's results."""
+    from comfyui_int8_accel.kernels.quant import cpu_has_int8_dot_product
+
+    return stem if cpu_has_int8_dot_product() else f"{stem}_no_vnni"
