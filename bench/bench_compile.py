@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from bench.common import encode, load_sd15, psnr, timed_sample, write_table
+from bench.common import cpu_line, encode, load_sd15, psnr, result_name, timed_sample, write_table
 
 
 def _modules():
@@ -102,6 +102,12 @@ def part_b(model, vae, positive, negative, *, size: int, steps: int, with_compil
     return rows
 
 
+def _speed_gate_on() -> bool:
+    from comfyui_int8_accel.nodes.int8.speed import speed_gate_enabled
+
+    return speed_gate_enabled()
+
+
 def _write(name: str, title: str, rows_a, notes, rows_b, size_b: int, steps_b: int) -> None:
     from bench.common import REPO_ROOT
 
@@ -124,8 +130,8 @@ def _write(name: str, title: str, rows_a, notes, rows_b, size_b: int, steps_b: i
               "- Image PSNR: decoded images in [0, 1] against the plain model's (same seed, prompt, sampler). "
               "Random weights: PSNR shows how far the pipeline drifts, not image quality.",
               "- Quantize Model: MSE thresholds 0.1 and the compute_density_threshold in the row (300 is the node's "
-              "default; 0 lets every layer compete on its error alone); DeepCache interval 3, depth 1; Compile Model "
-              "defaults (inductor).",
+              "default; 0 lets every layer compete on its error alone), calibration's speed gate "
+              f"{'on' if _speed_gate_on() else 'off'}; DeepCache interval 3, depth 1; Compile Model defaults (inductor).",
               "- Baseline attention is ComfyUI's default on the CPU (sub-quadratic); Compile Model swaps in PyTorch's "
               "fused SDPA kernel for large attention inputs."]
     (REPO_ROOT / "bench" / "results" / f"{name}.md").write_text(path.read_text() + "\n".join(extra) + "\n")
@@ -148,7 +154,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=None, help="part A image size (default 256)")
     parser.add_argument("--steps", type=int, default=None, help="part A steps (default 4)")
     parser.add_argument("--only-stack", action="store_true",
-                        help="part B only, written to bench/results/compile_stack.md")
+                        help="part B only, written to bench/results/compile_stack.md (compile_stack_no_vnni.md on "
+                             "CPUs without VNNI)")
     args = parser.parse_args()
     quick = args.quick
     size_a, steps_a, rounds = (128, 2, 1) if quick else (256, 4, 2)
@@ -165,10 +172,10 @@ def main() -> None:
         rows_b = part_b(model, vae, positive, negative, size=size_b, steps=steps_b,
                         with_compile_only=not args.no_compile_only, densities=tuple(args.stack_density))
         load = os.getloadavg()
-        note = (f"Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written (2 shared cores). "
+        note = (f"{cpu_line()}. Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written. "
                 f"Command: `.venv/bin/python -m bench.bench_compile --only-stack --stack-density {' '.join(map(str, args.stack_density))}`; "
                 f"{(time.perf_counter() - start) / 60:.1f} min.")
-        _write("compile_stack", "Compile Model: full stack vs plain model (CPU)",
+        _write(result_name("compile_stack"), "Compile Model: full stack vs plain model (CPU)",
                [["(part A not run)", "-", "-", "-", "-", "-"]], [note], rows_b, size_b, steps_b)
         return
     rows_a = part_a(model, vae, positive, negative, size=size_a, steps=steps_a, rounds=rounds, with_core=args.core)
