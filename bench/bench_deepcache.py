@@ -17,7 +17,7 @@ interpolated along the sweep) and at the same PSNR (its speed-up interpolated).
 
 Usage: .venv/bin/python bench/bench_deepcache.py [--model sd15|flux|both] [--quick] [--rounds N]
                                                 [--thresholds T,T,...] [--flux-blocks D,S] [--out PATH]
-  default: both models; sd15 512x512 20 steps, flux 256x256 20 steps; 1 round; writes bench/results/deepcache.md
+  default: both models; sd15 512x512 20 steps, flux 256x256 20 steps (--sd15-size, --flux-size); 1 round; writes bench/results/deepcache.md
   --quick: sd15 128x128 6 steps, flux 64x64 6 steps; prints the tables only (unless --out is given).
 """
 
@@ -29,7 +29,6 @@ import importlib
 import logging
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import psnr  # noqa: E402
+from bench.common import cpu_line, psnr  # noqa: E402
 
 INTERVALS = (2, 3, 5)
 THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2.0)
@@ -226,6 +225,8 @@ def main() -> None:
                         help="EasyCache reuse_threshold values to sweep")
     parser.add_argument("--flux-blocks", default="2,4", help="double,single blocks of the Flux-shaped model")
     parser.add_argument("--out", type=Path, default=None, help="markdown result file")
+    parser.add_argument("--sd15-size", type=int, default=512, help="image size of the SD1.5 runs")
+    parser.add_argument("--flux-size", type=int, default=256, help="image size of the Flux-shaped runs")
     args = parser.parse_args()
     thresholds = tuple(float(t) for t in args.thresholds.split(","))
     double, single = (int(n) for n in args.flux_blocks.split(","))
@@ -241,9 +242,9 @@ def main() -> None:
     sections = []
     for name in (("sd15", "flux") if args.model == "both" else (args.model,)):
         if name == "sd15":
-            work = sd15_workload(*((128, 6) if args.quick else (512, 20)))
+            work = sd15_workload(*((128, 6) if args.quick else (args.sd15_size, 20)))
         else:
-            work = flux_workload(*((64, 6) if args.quick else (256, 20)), double, single)
+            work = flux_workload(*((64, 6) if args.quick else (args.flux_size, 20)), double, single)
         results = run_workload(work, thresholds, args.rounds)
         section = f"## {name}\n\n{work.description}.\n\n{tables(work, results)}\n"
         print("\n" + section, flush=True)
@@ -256,8 +257,7 @@ def main() -> None:
     load = os.getloadavg()
     text = (
         "# DeepCache and ComfyUI's EasyCache\n\n"
-        f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-        f"{torch.__version__}), random weights, in-process `comfy.sample.sample`; median of {args.rounds} "
+        f"CPU: {cpu_line()}.\n\nRandom weights, in-process `comfy.sample.sample`; median of {args.rounds} "
         "interleaved round(s). DeepCache: cache_depth 1. EasyCache: ComfyUI's node, start_percent "
         f"{EASYCACHE_START}, end_percent {EASYCACHE_END}, reuse_threshold as named. The matched table interpolates "
         "EasyCache's sweep linearly (CPU-time speed-up vs PSNR). Random weights make the outputs noise-like: PSNR "
