@@ -1,4 +1,4 @@
-"""Random-weight SDXL and SD3 checkpoints that CheckpointLoaderSimple detects as SDXL / SD3.
+"""Random-weight SDXL and SD3 checkpoints that CheckpointLoaderSimple detects as SDXL / SD3, and a tiny Wan 2.1.
 
 Like scripts/make_checkpoint.py (SD1.5), each file is built from ComfyUI's own classes, so its keys are
 what ComfyUI's detector expects, and written once as fp16 safetensors into models/checkpoints/:
@@ -11,8 +11,16 @@ what ComfyUI's detector expects, and written once as fp16 safetensors into model
   conditioning, CLIP-L + CLIP-G and VAE. This is what the shipped SDXL workflow and the tests use.
 - SD3: an MMDiT with SD3-medium's layout but depth 8 (ComfyUI derives the width from the depth: 512)
   instead of 24, CLIP-L + CLIP-G and no T5 (a real SD3 checkpoint may omit T5 too), 16-channel VAE.
+- Wan 2.1 text-to-video, as the three separate files ComfyUI's Wan workflows load (UNETLoader, CLIPLoader,
+  VAELoader), not a checkpoint: a diffusion model in models/diffusion_models/ that ComfyUI detects as Wan 2.1
+  T2V (it reads the width from head.modulation and sets 128-wide heads, so the width is a multiple of 128:
+  256 here, 4 blocks, about 6 M parameters), a Wan 2.1 VAE in models/vae/ (ComfyUI reads its base width from
+  decoder.head.0.gamma: 32 instead of 96, 1/9 of the work) and, as text encoder, CLIP-L in
+  models/text_encoders/, taken from the random SD1.5 checkpoint. Wan's text input is 4096 wide (UMT5-XXL,
+  5.7 B parameters, too large to make here); CLIPLoader's `sd3` type loads a lone CLIP-L file as SD3's text
+  encoder, which pads CLIP-L's 768 features to 4096, so the model gets context of the width it takes.
 
-Usage: python -m scripts.make_more_checkpoints [sdxl] [sdxl_vega] [sd3]   (default: sdxl_vega sd3)
+Usage: python -m scripts.make_more_checkpoints [sdxl] [sdxl_vega] [sd3] [wan21]   (default: sdxl_vega sd3 wan21)
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ SDXL_NAME = "int8accel_random_sdxl.safetensors"
 SDXL_VEGA_NAME = "int8accel_random_sdxl_vega.safetensors"
 SD3_NAME = "int8accel_random_sd3.safetensors"
 SD3_DEPTH = 8
+WAN21_NAME = "int8accel_random_wan21_t2v.safetensors"  # in models/diffusion_models/
+WAN21_VAE_NAME = "int8accel_random_wan21_vae.safetensors"  # in models/vae/
+CLIP_L_NAME = "int8accel_random_clip_l.safetensors"  # in models/text_encoders/
 # Bumped whenever the weights a build writes change; a cached file with another version is rebuilt.
 FACTORY_VERSION = "2"
 
@@ -55,6 +66,14 @@ SD3_MMDIT = {
     "context_embedder_config": {"target": "torch.nn.Linear",
                                 "params": {"in_features": 4096, "out_features": 64 * SD3_DEPTH}},
 }
+
+# Wan 2.1 T2V as ComfyUI's detector reads it back: num_heads = dim // 128, freq_dim 256, text_dim 4096.
+WAN21_DIT = {
+    "model_type": "t2v", "patch_size": (1, 2, 2), "in_dim": 16, "dim": 256, "ffn_dim": 512, "freq_dim": 256,
+    "text_dim": 4096, "out_dim": 16, "num_heads": 2, "num_layers": 4, "window_size": (-1, -1), "qk_norm": True,
+    "cross_attn_norm": True, "eps": 1e-6, "image_model": "wan2.1",
+}
+WAN21_VAE_DIM = 32  # the real VAE's is 96
 
 
 def _empty_like_meta(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -125,6 +144,47 @@ def build_sd3_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
+def build_wan21_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The diffusion model's weights with the key names of Wan's released files (no prefix)."""
+    import comfy.ops
+    from comfy.ldm.wan.model import WanModel
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = WanModel(**WAN21_DIT, operations=comfy.ops.disable_weight_init, device="meta")
+    return _randomize(_empty_like_meta(model), gen)
+
+
+def build_wan21_vae_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A Wan 2.1 VAE of base width WAN21_VAE_DIM. Its RMS norms' scales (`gamma`, not 1-D) are set to 1, like
+    the other norms, so that the random decoder does not shrink its signal towards a flat grey."""
+    from comfy.ldm.wan.vae import WanVAE
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        vae = WanVAE(dim=WAN21_VAE_DIM, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                     temperal_downsample=[False, True, True], dropout=0.0)
+    state = _randomize(_empty_like_meta(vae), gen)
+    return {k: torch.ones_like(v) if k.endswith("gamma") else v for k, v in state.items()}
+
+
+def build_clip_l_state_dict(comfy_root: Path) -> dict[str, torch.Tensor]:
+    """CLIP-L as a lone text-encoder file (the keys of the released clip_l.safetensors), taken from the random
+    SD1.5 checkpoint (built first when absent), so the SD1.5 and Wan workflows share one random CLIP-L."""
+    from safetensors import safe_open
+
+    from scripts.make_checkpoint import ensure_checkpoint
+
+    prefix = "cond_stage_model.transformer."
+    with safe_open(str(ensure_checkpoint(comfy_root)), framework="pt") as handle:
+        state = {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys()
+                 if key.startswith(prefix) and not key.endswith("position_ids")}
+    # SD1.5 does not use CLIP-L's projection and its checkpoints leave it out; a lone CLIP-L file has one.
+    # The identity is what ComfyUI's CLIP starts from when it is missing.
+    state["text_projection.weight"] = torch.eye(768, dtype=torch.float16)
+    return state
+
+
 def _factory_version(path: Path) -> str | None:
     from safetensors import safe_open
 
@@ -135,12 +195,12 @@ def _factory_version(path: Path) -> str | None:
         return None
 
 
-def _ensure(comfy_root: Path, name: str, builder, what: str, seed: int) -> Path:
-    target = Path(comfy_root) / "models" / "checkpoints" / name
+def _ensure(comfy_root: Path, name: str, builder, what: str, seed: int, folder: str = "checkpoints") -> Path:
+    target = Path(comfy_root) / "models" / folder / name
     if target.is_file() and _factory_version(target) == FACTORY_VERSION:
         return target
     start = time.time()
-    print(f"[make_more_checkpoints] building random {what} checkpoint {target}", file=sys.stderr)
+    print(f"[make_more_checkpoints] building random {what} file {target}", file=sys.stderr)
     write_checkpoint(target, builder(seed), what, {"int8accel_factory": FACTORY_VERSION})
     print(f"[make_more_checkpoints] {what} done in {time.time() - start:.0f} s", file=sys.stderr)
     return target
@@ -161,15 +221,24 @@ def ensure_sd3_checkpoint(comfy_root: Path, name: str = SD3_NAME, seed: int = 0)
     return _ensure(comfy_root, name, build_sd3_state_dict, "SD3", seed)
 
 
-ENSURE = {"sdxl": ensure_sdxl_checkpoint, "sdxl_vega": ensure_sdxl_vega_checkpoint, "sd3": ensure_sd3_checkpoint}
+def ensure_wan21_files(comfy_root: Path, seed: int = 0) -> Path:
+    """The random Wan 2.1 T2V diffusion model (returned), its VAE and the CLIP-L text encoder, each built once
+    in ComfyUI's models/diffusion_models/, vae/ and text_encoders/ (about 10, 28 and 250 MB)."""
+    _ensure(comfy_root, CLIP_L_NAME, lambda s: build_clip_l_state_dict(comfy_root), "CLIP-L", seed, "text_encoders")
+    _ensure(comfy_root, WAN21_VAE_NAME, build_wan21_vae_state_dict, "Wan 2.1 VAE", seed, "vae")
+    return _ensure(comfy_root, WAN21_NAME, build_wan21_state_dict, "Wan 2.1 T2V", seed, "diffusion_models")
+
+
+ENSURE = {"sdxl": ensure_sdxl_checkpoint, "sdxl_vega": ensure_sdxl_vega_checkpoint, "sd3": ensure_sd3_checkpoint,
+          "wan21": ensure_wan21_files}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kinds", nargs="*", metavar="KIND", choices=[*ENSURE, []],
-                        help=f"any of {', '.join(ENSURE)} (default: sdxl_vega sd3)")
+                        help=f"any of {', '.join(ENSURE)} (default: sdxl_vega sd3 wan21)")
     args = parser.parse_args()
-    args.kinds = args.kinds or ["sdxl_vega", "sd3"]
+    args.kinds = args.kinds or ["sdxl_vega", "sd3", "wan21"]
     sys.path.insert(0, str(REPO_ROOT))
     from tests.support.comfy_host import import_comfy
 

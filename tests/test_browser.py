@@ -4,8 +4,9 @@ Debian's chromium is used (scripts/setup_browser.sh installs it and Playwright f
 ever downloaded). Screenshots go to test-artifacts/; UPDATE_DOCS_SCREENSHOT=1 also refreshes the README's
 docs/workflow-screenshot.png. The page loads each UI graph, must know every node type and keep every widget value,
 turns the graph into exactly the shipped API prompt (plus the display-only text box of Preview as Text, which
-no node takes), queues it itself, and the run ends with an image and the INT8 report shown in the page (for the
-INT8 load workflow, which has no Quantize node: its layers loaded as resident INT8). The save workflow runs
+no node takes), queues it itself, and the run ends with an image (for the Wan workflow an animated WebP) and the
+INT8 report shown in the page (for the INT8 load workflow, which has no Quantize node: its layers loaded as
+resident INT8). The save workflow runs
 before the load workflow, which reads the file it wrote, as a user does (refreshing the page's file lists).
 
 These tests never skip silently: when chromium or Playwright is missing and scripts/setup_browser.sh cannot
@@ -41,6 +42,7 @@ from tests.support.workflows_common import (  # noqa: F401  (int8_save_session, 
     release_models_unless_sd15,
     report_preview,
     resident_int8_logged,
+    save_nodes,
     strip_meta,
     workflow_checkpoints,
     workflow_names,
@@ -223,7 +225,7 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, int8_
     assert status.get("status_str") == "success", f"{name}: {json.dumps(status)[:3000]}\n{server.log_tail()}"
     images = server.output_images(result["history"])
     assert images and all(p.is_file() for p in images)
-    save_ids = [k for k, v in load_api(name).items() if v["class_type"] == "SaveImage"]
+    save_ids = save_nodes(load_api(name))
     # The page received the result and shows it on the Save Image node.
     page.wait_for_function(
         "(ids) => ids.every(id => { const n = window.app.graph.getNodeById(Number(id));"

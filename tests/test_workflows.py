@@ -1,12 +1,14 @@
 """The shipped workflows: both forms agree, every API prompt runs on the real server with layers really in
 INT8 (its report, shown by Preview as Text, says how many) and an image that differs from the float run's,
-the INT8 file the save workflow writes loads in the load workflow and gives the save run's image, and the
-page lists them."""
+the INT8 file the save workflow writes loads in the load workflow and gives the save run's image, the Wan
+workflow's DeepCache caches steps of the Wan model and changes its video only a little, and the page lists
+them."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import json
 import shutil
 import subprocess
@@ -23,6 +25,7 @@ from tests.support.workflows_common import (  # noqa: F401  (the int8_* and work
     REPO_ROOT,
     VIRTUAL_NODE_TYPES,
     WORKFLOWS,
+    frames,
     int8_file,
     int8_file_name,
     int8_report,
@@ -33,6 +36,7 @@ from tests.support.workflows_common import (  # noqa: F401  (the int8_* and work
     release_models_unless_sd15,
     report_preview,
     resident_int8_logged,
+    save_nodes,
     strip_meta,
     ui_graph_to_api,
     widget_problems,
@@ -44,12 +48,13 @@ from tests.support.workflows_common import (  # noqa: F401  (the int8_* and work
 NAMES = workflow_names()
 # Workflows that quantize on the fly and nothing else; the save/load pair is run as a pair below.
 ON_THE_FLY = [name for name in NAMES if name not in (INT8_SAVE, INT8_LOAD)]
+WAN = "wan21_deepcache_t2v"
 PACK_NODES = {"Int8AccelQuantize", "Int8AccelDeepCache", "Int8AccelCompile", "Int8AccelSaveModel",
               "Int8AccelLoadModel"}
 
 
 def test_each_ui_workflow_has_an_api_twin_a_note_and_the_page_format():
-    assert len(NAMES) == 7 and {INT8_SAVE, INT8_LOAD} < set(NAMES), NAMES
+    assert len(NAMES) == 8 and {INT8_SAVE, INT8_LOAD, WAN} < set(NAMES), NAMES
     assert sorted(p.stem for p in (WORKFLOWS / "api").glob("*.json")) == NAMES
     used = set()
     for name in NAMES:
@@ -170,11 +175,18 @@ def test_server_runs_the_pack_of_this_checkout(server):
 
 def test_api_workflows_name_checkpoints_the_model_factories_make():
     from scripts.make_checkpoint import DEFAULT_NAME
-    from scripts.make_more_checkpoints import SD3_NAME, SDXL_VEGA_NAME
+    from scripts.make_more_checkpoints import CLIP_L_NAME, SD3_NAME, SDXL_VEGA_NAME, WAN21_NAME, WAN21_VAE_NAME
 
-    named = {node["inputs"]["ckpt_name"] for name in NAMES for node in load_api(name).values()
-             if node["class_type"] == "CheckpointLoaderSimple"}
-    assert named == {DEFAULT_NAME, SDXL_VEGA_NAME, SD3_NAME}
+    def named(class_type: str, input_name: str) -> set[str]:
+        return {node["inputs"][input_name] for name in NAMES for node in load_api(name).values()
+                if node["class_type"] == class_type}
+
+    assert named("CheckpointLoaderSimple", "ckpt_name") == {DEFAULT_NAME, SDXL_VEGA_NAME, SD3_NAME}
+    # Wan's three files; the CLIP-L file as SD3's text encoder (it pads CLIP-L to the 4096 Wan's text input takes)
+    assert named("UNETLoader", "unet_name") == {WAN21_NAME}
+    assert named("VAELoader", "vae_name") == {WAN21_VAE_NAME}
+    assert named("CLIPLoader", "clip_name") == {CLIP_L_NAME}
+    assert {node["inputs"]["type"] for node in load_api(WAN).values() if node["class_type"] == "CLIPLoader"} == {"sd3"}
 
 
 @pytest.mark.server
@@ -234,9 +246,9 @@ def test_shipped_api_workflow_runs_to_an_image(server, name):
     assert status.get("status_str") == "success" and "execution_success" in messages, (
         f"{name}: {json.dumps(status)[:3000]}\n{server.log_tail()}")
     images = server.output_images(history)
-    save_nodes = [k for k, v in prompt.items() if v["class_type"] == "SaveImage"]
-    assert set(history["outputs"]) >= set(save_nodes)
-    assert len(images) == len(save_nodes) >= 1
+    saving = save_nodes(prompt)
+    assert set(history["outputs"]) >= set(saving)
+    assert len(images) == len(saving) >= 1  # a picture, or the Wan workflow's animated WebP
     latent = next(v["inputs"] for v in prompt.values() if v["class_type"].startswith("Empty"))
     ARTIFACTS.mkdir(exist_ok=True)
     for path in images:
@@ -259,10 +271,75 @@ def test_shipped_api_workflow_runs_to_an_image(server, name):
     float_images = _float_images(server, prompt)
     assert len(float_images) == len(images)
     for int8_path, float_path in zip(sorted(images), sorted(float_images), strict=True):
-        with Image.open(int8_path) as a, Image.open(float_path) as b:
-            assert a.size == b.size
-            assert a.tobytes() != b.tobytes(), f"{name}: the image equals the float run's: INT8 changed nothing"
+        a, b = frames(int8_path), frames(float_path)
+        assert [f.shape for f in a] == [f.shape for f in b]
+        assert any((x != y).any() for x, y in zip(a, b, strict=True)), (
+            f"{name}: the image equals the float run's: INT8 changed nothing")
     release_models_unless_sd15(server, name)
+
+
+def _bypassed(prompt: dict, class_type: str) -> dict:
+    """`prompt` with its one `class_type` node taken out and its consumers fed that node's model input."""
+    prompt = copy.deepcopy(prompt)
+    node_id = node_of(prompt, class_type)
+    source = prompt.pop(node_id)["inputs"]["model"]
+    for node in prompt.values():
+        for input_name, value in node["inputs"].items():
+            if value == [node_id, 0]:
+                node["inputs"][input_name] = list(source)
+    return prompt
+
+
+def _video(server, prompt: dict, prefix: str, seed: int | None = None) -> tuple[list, str]:
+    """Frames of `prompt`'s WebP, saved under `prefix`, and the server log its run wrote."""
+    prompt = copy.deepcopy(prompt)
+    prompt[save_nodes(prompt)[0]]["inputs"]["filename_prefix"] = prefix
+    if seed is not None:
+        prompt[node_of(prompt, "KSampler")]["inputs"]["seed"] = seed
+    log_from = server.log_path.stat().st_size
+    history = server.run(prompt, timeout=600)["history"]
+    assert history["status"]["status_str"] == "success", f"{json.dumps(history['status'])[:3000]}\n{server.log_tail()}"
+    with open(server.log_path, "rb") as log:
+        log.seek(log_from)
+        logged = log.read().decode(errors="replace")
+    (path,) = server.output_images(history)
+    return frames(path), logged
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("workflow_checkpoints")
+def test_wan_workflow_caches_steps_of_the_wan_model_and_stays_close_to_the_uncached_video(server):
+    """The Wan workflow gives its frames (5 at 64x64), its DeepCache node caches 4 of the 6 steps on the Wan
+    model (the summary it logs after sampling), and caching changes the video, but far less than another seed
+    does. The comparisons run in float (the Quantize node taken out) so that only DeepCache differs."""
+    prompt = load_api(WAN)
+    latent = prompt[node_of(prompt, "EmptyHunyuanLatentVideo")]["inputs"]
+    steps = prompt[node_of(prompt, "KSampler")]["inputs"]["steps"]
+    cache = prompt[node_of(prompt, "Int8AccelDeepCache")]["inputs"]
+    full = len(range(0, steps, cache["cache_interval"]))
+    summary = (f"DeepCache: {steps} steps, {full} full, {steps - full} cached "
+               f"(interval {cache['cache_interval']}, depth {cache['cache_depth']})")
+    server.drop_cached_outputs()  # every node runs, so DeepCache logs this run's summary
+
+    shipped, logged = _video(server, prompt, "int8accel/wan21_test_shipped")
+    assert len(shipped) == latent["length"] == 5
+    assert all(frame.shape == (latent["height"], latent["width"], 3) for frame in shipped)
+    assert summary in logged and "6 steps, 2 full, 4 cached" in summary, logged[-3000:]
+    assert "Requested to load WAN21" in logged, "the model sampled is not ComfyUI's Wan 2.1 model"
+
+    float_prompt = without_quantize(prompt)
+    cached, logged = _video(server, float_prompt, "int8accel/wan21_test_cached")
+    assert summary in logged, logged[-3000:]
+    uncached, logged = _video(server, _bypassed(float_prompt, "Int8AccelDeepCache"), "int8accel/wan21_test_uncached")
+    assert "DeepCache:" not in logged
+    other_seed, _ = _video(server, _bypassed(float_prompt, "Int8AccelDeepCache"), "int8accel/wan21_test_seed",
+                           seed=prompt[node_of(prompt, "KSampler")]["inputs"]["seed"] + 1)
+    by_cache = float(np.mean([np.abs(a - b).mean() for a, b in zip(cached, uncached, strict=True)]))
+    by_seed = float(np.mean([np.abs(a - b).mean() for a, b in zip(other_seed, uncached, strict=True)]))
+    print(f"{WAN}: mean |cached - uncached| {by_cache:.3f}, |other seed - uncached| {by_seed:.3f} (of 255)")
+    assert by_cache > 0, "DeepCache left the video unchanged: nothing was cached"
+    assert by_cache < 0.25 * by_seed, "DeepCache changed the video as much as another seed does"
+    release_models_unless_sd15(server, WAN)
 
 
 def _pixels(path) -> np.ndarray:

@@ -23,6 +23,10 @@ HERE = Path(__file__).resolve().parent
 SD15 = "int8accel_random_sd15.safetensors"
 SDXL = "int8accel_random_sdxl_vega.safetensors"  # SDXL family, light enough for a CPU
 SD3 = "int8accel_random_sd3.safetensors"
+# Wan 2.1 loads as three files; these are the random, reduced-size test stand-ins (scripts/make_more_checkpoints).
+WAN21 = "int8accel_random_wan21_t2v.safetensors"
+WAN21_VAE = "int8accel_random_wan21_vae.safetensors"
+CLIP_L = "int8accel_random_clip_l.safetensors"
 
 # Socket (linked) inputs and outputs of the node types used, in INPUT_TYPES / RETURN_TYPES order.
 SOCKETS: dict[str, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {
@@ -41,6 +45,12 @@ SOCKETS: dict[str, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {
     "Int8AccelSaveModel": ([("model", "MODEL"), ("after_sampling", "LATENT")], []),
     "Int8AccelLoadModel": ([], [("MODEL", "MODEL")]),
     "PreviewAny": ([("source", "*")], []),  # ComfyUI's "Preview as Text": shows the INT8 report in the page
+    "UNETLoader": ([], [("MODEL", "MODEL")]),
+    "CLIPLoader": ([], [("CLIP", "CLIP")]),
+    "VAELoader": ([], [("VAE", "VAE")]),
+    "ModelSamplingSD3": ([("model", "MODEL")], [("MODEL", "MODEL")]),
+    "EmptyHunyuanLatentVideo": ([], [("LATENT", "LATENT")]),
+    "SaveAnimatedWEBP": ([("images", "IMAGE")], []),
     "Note": ([], []),
 }
 # Widget names in INPUT_TYPES order (what widgets_values holds, positionally).
@@ -60,6 +70,12 @@ WIDGETS: dict[str, list[str]] = {
     "Int8AccelSaveModel": ["filename_prefix", "bake_lora"],
     "Int8AccelLoadModel": ["unet_name"],
     "PreviewAny": [],  # its text box is filled by the run and not saved
+    "UNETLoader": ["unet_name", "weight_dtype"],
+    "CLIPLoader": ["clip_name", "type", "device"],  # device: an optional (advanced) widget, saved all the same
+    "VAELoader": ["vae_name"],
+    "ModelSamplingSD3": ["shift"],
+    "EmptyHunyuanLatentVideo": ["width", "height", "length", "batch_size"],
+    "SaveAnimatedWEBP": ["filename_prefix", "fps", "lossless", "quality", "method"],
     "Note": ["text"],
 }
 VIRTUAL = {"Note"}  # frontend-only nodes: never part of the API prompt
@@ -193,21 +209,24 @@ DENSITY = 16
 QUANTIZE_SETTINGS = dict(bits=8, quantize_conv="enable", quantize_linear="enable", conv_mse_threshold=0.1,
                          linear_mse_threshold=0.1, compute_density_threshold=DENSITY)
 SIZE = 128
-INT8_LAYERS = {"sd15": "229/282", "sdxl": "218/239", "sd3": "64/85"}  # at SIZE x SIZE, density 16
-AT_300 = {"sd15": "none of its 282 layers", "sdxl": "none of its 239 layers", "sd3": "none of its 85 layers"}
-ALSO_FLOAT = {"sd15": " and, at this size, the 2x2-token deepest level", "sdxl": "", "sd3": ""}
+INT8_LAYERS = {"sd15": "229/282", "sdxl": "218/239", "sd3": "64/85",  # at SIZE x SIZE, density 16
+               "wan21": "43/46"}  # at WAN_SIZE
+AT_300 = {"sd15": "none of its 282 layers", "sdxl": "none of its 239 layers", "sd3": "none of its 85 layers",
+          "wan21": "none of its 46 layers"}
+ALSO_FLOAT = {"sd15": " and, at this size, the 2x2-token deepest level", "sdxl": "", "sd3": "", "wan21": ""}
 
 
-def _settings_note(family: str, size: int) -> str:
+def _settings_note(family: str, size: int | str) -> str:
+    size = f"{size}x{size}" if isinstance(size, int) else size
     return (
         f"\n\nQuantize settings: error thresholds 0.1 (the defaults) and compute_density_threshold {DENSITY} "
         "instead of the default 300. Density is M*K*N / (M*K + K*N + M*N), M being the tokens of both CFG "
         f"halves. The default suits CPUs without VNNI at 512 px and up (there INT8 won in 45 of 49 layers above "
-        f"300 and in none below 100); at {size}x{size} this model has {AT_300[family]} reaching it, so it would "
+        f"300 and in none below 100); at {size} this model has {AT_300[family]} reaching it, so it would "
         f"stay in float. On NVIDIA GPUs and VNNI/AMX CPUs use 0-100. {DENSITY} keeps in float the layers that see "
         f"one vector per image (timestep and embedding projections){ALSO_FLOAT[family]}, and lets the layers "
         f"working on image or text tokens compete on their error: measured {INT8_LAYERS[family]} layers in INT8 "
-        f"at {size}x{size} (CPU, this random checkpoint, speed gate off). Calibration's speed gate then times "
+        f"at {size} (CPU, this random checkpoint, speed gate off). Calibration's speed gate then times "
         "each of them and keeps INT8 only where it is faster on your device, so at this small size a CPU keeps "
         "many in float. With real weights some layers fail the error test and stay in float.\n\n"
         "Preview as Text shows the node's report. The first run of new settings says the calibration is pending "
@@ -414,8 +433,54 @@ def sd15_int8_load() -> Workflow:
     return wf
 
 
+# Wan's size: 64x64 and 5 frames, a 16x2x8x8 latent (the VAE packs 4 frames into one latent frame after the
+# first), 32 tokens per frame pair; 6 steps give DeepCache two full and four cached steps at interval 3.
+WAN_WIDTH, WAN_HEIGHT, WAN_LENGTH = 64, 64, 5
+WAN_SIZE = f"{WAN_WIDTH}x{WAN_HEIGHT}, {WAN_LENGTH} frames"
+WAN_STEPS = 6
+
+
+def wan21_deepcache_t2v() -> Workflow:
+    wf = Workflow("wan21_deepcache_t2v", "Wan 2.1 text-to-video with INT8 + DeepCache")
+    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
+        "Wan 2.1 text-to-video with Quantize Model (INT8) and the DeepCache node. On Wan (a diffusion "
+        "transformer) DeepCache caches the output of the transformer blocks: on cached steps only the first and "
+        "last `cache_depth` blocks run and the rest reuse the residual of the last full step. Model Sampling SD3 "
+        "with shift 8, uni_pc, simple and CFG 6 are the settings of ComfyUI's Wan 2.1 examples.\n\n"
+        "Pick the real files: Load Diffusion Model: the Wan 2.1 text-to-video model (e.g. "
+        "wan2.1_t2v_1.3B_fp16.safetensors or the 14B one); Load CLIP: umt5_xxl_fp8_e4m3fn_scaled.safetensors with "
+        "type `wan` (instead of `sd3`); Load VAE: wan_2.1_vae.safetensors. Then use 832x480, 33 frames or more and "
+        "20-30 steps (cache_interval 2-3).\n\n"
+        f"The shipped files are the tests' random-weight stand-ins, made by `python -m scripts.make_more_checkpoints "
+        f"wan21`: {WAN21} (Wan 2.1 T2V layout, 4 blocks of width 256), {WAN21_VAE} (Wan 2.1 VAE, narrower) and "
+        f"{CLIP_L}, a CLIP-L loaded with type `sd3`: SD3's text encoder pads CLIP-L's 768 features to the 4096 "
+        "that Wan's text input takes, as UMT5-XXL gives (too large to ship for tests). They give noise, not "
+        f"pictures. {WAN_SIZE} and {WAN_STEPS} steps keep it quick on a CPU; the server log shows DeepCache's "
+        "summary after each run ('DeepCache: 6 steps, 2 full, 4 cached')." + _settings_note("wan21", WAN_SIZE)))
+    unet = wf.add("UNETLoader", (0, 250), (315, 82), unet_name=WAN21, weight_dtype="default")
+    quant = wf.add("Int8AccelQuantize", (0, 380), (315, 200), model=(unet, 0), **QUANTIZE_SETTINGS)
+    cache = wf.add("Int8AccelDeepCache", (0, 620), (315, 130), model=(quant, 0), cache_interval=3, cache_depth=1,
+                   start_percent=0.0, end_percent=1.0)
+    shift = wf.add("ModelSamplingSD3", (0, 790), (315, 58), shift=8.0, model=(cache, 0))
+    vae = wf.add("VAELoader", (0, 890), (315, 58), vae_name=WAN21_VAE)
+    clip = wf.add("CLIPLoader", (380, 250), (400, 106), clip_name=CLIP_L, type="sd3", device="default")
+    pos = wf.add("CLIPTextEncode", (380, 400), (400, 140), "Positive prompt",
+                 text="a lighthouse on a cliff at sunset, waves rolling in, slow camera pan", clip=(clip, 0))
+    neg = wf.add("CLIPTextEncode", (380, 580), (400, 100), "Negative prompt", text=NEGATIVE, clip=(clip, 0))
+    latent = wf.add("EmptyHunyuanLatentVideo", (380, 720), (315, 130), width=WAN_WIDTH, height=WAN_HEIGHT,
+                    length=WAN_LENGTH, batch_size=1)
+    sampler = wf.add("KSampler", (840, 250), (315, 262), seed=42, steps=WAN_STEPS, cfg=6.0, sampler_name="uni_pc",
+                     scheduler="simple", denoise=1.0, model=(shift, 0), positive=(pos, 0), negative=(neg, 0),
+                     latent_image=(latent, 0))
+    decode = wf.add("VAEDecode", (1200, 250), (210, 46), samples=(sampler, 0), vae=(vae, 0))
+    wf.add("SaveAnimatedWEBP", (1200, 340), (315, 366), filename_prefix="int8accel/wan21_deepcache", fps=16.0,
+           lossless=True, quality=90, method="default", images=(decode, 0))
+    _report(wf, quant, (380, 890))
+    return wf
+
+
 WORKFLOWS = [sd15_int8, sdxl_int8_deepcache, sd3_int8_blockcache, sd15_full_stack_compile, sd15_compare,
-             sd15_int8_save, sd15_int8_load]
+             sd15_int8_save, sd15_int8_load, wan21_deepcache_t2v]
 
 
 def build_all() -> dict[str, tuple[dict, dict]]:

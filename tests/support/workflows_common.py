@@ -20,6 +20,9 @@ ARTIFACTS = REPO_ROOT / "test-artifacts"
 # Frontend-only node types: the page never puts them in a prompt.
 VIRTUAL_NODE_TYPES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+# The output nodes whose files the workflows write: pictures, and the Wan workflow's animated WebP.
+SAVE_NODE_TYPES = ("SaveImage", "SaveAnimatedWEBP")
+LATENT_NODE_TYPES = ("EmptyLatentImage", "EmptySD3LatentImage", "EmptyHunyuanLatentVideo")
 
 
 # The pair of workflows around an INT8 file: the first writes the file the second loads.
@@ -48,10 +51,12 @@ def load_api(name: str) -> dict:
 
 @pytest.fixture(scope="session")
 def workflow_checkpoints(comfy_root, sd15_checkpoint) -> list[str]:
-    """Every checkpoint the shipped workflows name, built once by the model factories."""
-    from scripts.make_more_checkpoints import ensure_sd3_checkpoint, ensure_sdxl_vega_checkpoint
+    """Every checkpoint the shipped workflows name, built once by the model factories (for Wan: its diffusion
+    model, VAE and text encoder, as three files)."""
+    from scripts.make_more_checkpoints import ensure_sd3_checkpoint, ensure_sdxl_vega_checkpoint, ensure_wan21_files
 
-    return [sd15_checkpoint, ensure_sdxl_vega_checkpoint(comfy_root).name, ensure_sd3_checkpoint(comfy_root).name]
+    return [sd15_checkpoint, ensure_sdxl_vega_checkpoint(comfy_root).name, ensure_sd3_checkpoint(comfy_root).name,
+            ensure_wan21_files(comfy_root).name]
 
 
 # --- the INT8 file the save workflow writes and the load workflow reads ------------------------------------
@@ -290,8 +295,22 @@ def with_report_preview(prompt: dict, node_id: str = "90") -> dict:
 
 def latent_hw(prompt: dict) -> tuple[int, int]:
     """(height, width) of the latent the prompt samples (image size / 8)."""
-    latent = next(v["inputs"] for v in prompt.values() if v["class_type"] in ("EmptyLatentImage", "EmptySD3LatentImage"))
+    latent = next(v["inputs"] for v in prompt.values() if v["class_type"] in LATENT_NODE_TYPES)
     return latent["height"] // 8, latent["width"] // 8
+
+
+def save_nodes(prompt: dict) -> list[str]:
+    """Ids of the nodes that write the prompt's pictures or videos."""
+    return [k for k, v in prompt.items() if v["class_type"] in SAVE_NODE_TYPES]
+
+
+def frames(path: Path) -> list:
+    """Every frame of a saved picture (one) or animated WebP, as RGB int16 arrays."""
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    with Image.open(path) as image:
+        return [np.asarray(frame.convert("RGB"), dtype=np.int16) for frame in ImageSequence.Iterator(image)]
 
 
 def int8_report(server, prompt: dict, history: dict | None = None, *, log_from: int | None = None,
@@ -350,6 +369,6 @@ def without_quantize(prompt: dict) -> dict:
         for name, value in node["inputs"].items():
             if value == [quant, 0]:
                 node["inputs"][name] = list(source)
-        if node["class_type"] == "SaveImage":
+        if node["class_type"] in SAVE_NODE_TYPES:
             node["inputs"]["filename_prefix"] += "_float"
     return prompt
