@@ -37,19 +37,18 @@ def import_comfy() -> Path:
     """Put ComfyUI on sys.path and force CPU mode (unless INT8_ACCEL_TESTS_ON_GPU=1) before
     comfy.model_management is imported."""
     root = comfyui_path()
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    # ComfyUI's top-level `nodes` module shares its name with this repository's `nodes/` package, and pytest
+    # puts the repository ahead of ComfyUI on sys.path while collecting: ComfyUI goes first, and its `nodes` is
+    # bound below, so a later `import nodes` (ComfyUI's own, e.g. in comfy_execution.graph) never finds ours.
+    if str(root) in sys.path:
+        sys.path.remove(str(root))
+    sys.path.insert(0, str(root))
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = not tests_on_gpu()
     comfy.cli_args.args.disable_all_custom_nodes = True
     import comfy.model_management  # noqa: F401
 
-    # ComfyUI's top-level `nodes` module shares its name with this repository's `nodes/` package, and pytest
-    # puts the repository ahead of ComfyUI on sys.path while collecting: bind ComfyUI's now, so a later
-    # `import nodes` (ComfyUI's own, e.g. in comfy_execution.graph) never finds ours.
-    sys.path.remove(str(root))
-    sys.path.insert(0, str(root))
     import nodes
 
     assert Path(nodes.__file__).resolve().parent == root.resolve(), nodes.__file__
