@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 
 import pytest
@@ -217,6 +218,21 @@ def test_unloading_the_model_drops_its_int8_modules(comfy_root, quant):
     assert plan._modules == {}
     assert torch.equal(sample(out, "sd15", steps=2), first)  # rebuilt from the live weights on the next run
     assert plan._modules
+
+
+def test_int8_modules_outlive_the_clones_comfyui_drops_between_prompts(comfy_root, quant):
+    model = build_tiny_model("sd15")
+    out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    first = sample(out, "sd15", steps=2)
+    plan = plan_of(out)
+    built = {name: id(module) for name, module in plan._modules.items()}
+    assert built
+    clone = out.clone()  # ComfyUI detaches a clone without unpatching when it is collected (ModelPatcher.__del__)
+    del clone
+    gc.collect()
+    out.detach(unpatch_all=False)  # ... and when another clone of the same model replaces it in memory
+    assert torch.equal(sample(out, "sd15", steps=2), first)
+    assert {name: id(module) for name, module in plan._modules.items()} == built  # not rebuilt for the next prompt
 
 
 def test_report_rows_and_summary(comfy_root, quant):

@@ -100,7 +100,13 @@ class Int8Plan:
         patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, WRAPPER_KEY, self.on_detach)
 
     def on_detach(self, patcher, unpatch_all: bool = True) -> None:
-        """ComfyUI unloaded the model: drop its INT8 modules too (rebuilt from the live weights when it runs)."""
+        """ComfyUI unloaded the model: drop its INT8 modules too (rebuilt from the live weights when it runs).
+
+        Detaching without unpatching is not an unload: ComfyUI does it whenever a clone of this MODEL is garbage
+        collected (`ModelPatcher.__del__`) or replaced by another clone of the same model, which happens on every
+        prompt; the weights stay as they are, so the INT8 modules built from them stay valid."""
+        if not unpatch_all:
+            return
         for module in self._modules.values():
             release_packed_weight(module.weight)
         self._modules, self._modules_state = {}, None
