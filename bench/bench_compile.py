@@ -109,35 +109,25 @@ def _speed_gate_on() -> bool:
 
 
 def _write(name: str, title: str, rows_a, notes, rows_b, size_b: int, steps_b: int) -> None:
-    from bench.common import REPO_ROOT
-
     header = ["strategy", "first run s", "median s", "runs s", "vs eager", "rel. diff"]
-    path = write_table(name, title, header, rows_a, notes)
+    write_table(name, title, header, rows_a, notes)
     if rows_b is None:
         return
     header_b = ["pipeline", "first run s", "sampling s", "speed vs plain", "image PSNR dB", "latent PSNR dB"]
-    widths = [max(len(str(r[i])) for r in [header_b] + rows_b) for i in range(len(header_b))]
-
-    def line(cells):
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    extra = ["", f"## Full stack at {size_b}x{size_b}, {steps_b} steps", "", line(header_b),
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows_b]
-    extra += ["", "- Sampling time only (VAE decode excluded). 'first run' is the first sampling of that MODEL: it "
-              "compiles and prepacks, and calibrates INT8 unless a decision for this model is already cached on "
-              "disk (Inductor's on-disk cache may hold the graphs too, so a cold first run is longer); it is "
-              "excluded from the speed ratio, which uses the second run.",
-              "- Image PSNR: decoded images in [0, 1] against the plain model's (same seed, prompt, sampler). "
-              "Random weights: PSNR shows how far the pipeline drifts, not image quality.",
-              "- Quantize Model: MSE thresholds 0.1 and the compute_density_threshold in the row (300 is the node's "
-              "default; 0 lets every layer compete on its error alone), calibration's speed gate "
-              f"{'on' if _speed_gate_on() else 'off'}; DeepCache interval 3, depth 1; Compile Model defaults (inductor).",
-              "- Baseline attention is ComfyUI's default on the CPU (sub-quadratic); Compile Model swaps in PyTorch's "
-              "fused SDPA kernel for large attention inputs."]
-    (REPO_ROOT / "bench" / "results" / f"{name}.md").write_text(path.read_text() + "\n".join(extra) + "\n")
-    print("\n".join(extra))
-
-
+    notes_b = [
+        "Sampling time only (VAE decode excluded). 'first run' is the first sampling of that MODEL: it compiles and "
+        "prepacks, and calibrates INT8 unless a decision for this model is already cached on disk (Inductor's "
+        "on-disk cache may hold the graphs too, so a cold first run is longer); it is excluded from the speed ratio, "
+        "which uses the second run.",
+        "Image PSNR: decoded images in [0, 1] against the plain model's (same seed, prompt, sampler). Random "
+        "weights: PSNR shows how far the pipeline drifts, not image quality.",
+        "Quantize Model: MSE thresholds 0.1 and the compute_density_threshold in the row (300 is the node's "
+        "default; 0 lets every layer compete on its error alone), calibration's speed gate "
+        f"{'on' if _speed_gate_on() else 'off'}; DeepCache interval 3, depth 1; Compile Model defaults (inductor).",
+        "Baseline attention is ComfyUI's default on the CPU (sub-quadratic); Compile Model swaps in PyTorch's "
+        "fused SDPA kernel for large attention inputs.",
+    ]
+    write_table(name, f"Full stack at {size_b}x{size_b}, {steps_b} steps", header_b, rows_b, notes_b, append=True)
 
 
 def main() -> None:

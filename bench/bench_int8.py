@@ -16,7 +16,7 @@ import itertools
 import os
 import tempfile
 
-from common import cpu_line, encode, load_sd15, psnr, result_name, timed_sample, write_table
+from common import cpu_line, encode, load_sd15, psnr, result_name, step_breakdown, timed_sample, write_table
 
 
 def main() -> None:
@@ -101,6 +101,30 @@ def main() -> None:
                 ["variant", "UNet step s", "step ratio", "image s", "image ratio", "calibration s",
                  "image PSNR dB", "latent PSNR dB"], rows, notes)
     write_density_table(plan_of(variants[DENSITY_PLAN]).last_result, args.size)
+    write_breakdown(variants, plans, vae, positive, negative, args.size)
+
+
+def write_breakdown(variants: dict, plans: dict, vae, positive, negative, size: int) -> None:
+    """Where one step's time goes per variant, and the most INT8 alone could give: the fp32 step over its time
+    outside the Linear/Conv2d layers (attention and the rest stay float whatever the INT8 layers cost)."""
+    parts = {}
+    for name, variant in variants.items():
+        os.environ["INT8_ACCEL_SPEED_GATE"] = plans[name][1] if name in plans else "1"
+        parts[name] = step_breakdown(variant, vae, positive, negative, size=size)
+    columns = ["INT8 layers", "float Linear/Conv2d", "attention", "everything else", "step"]
+    rows = [[name] + [f"{part[c]:.2f}" for c in columns] for name, part in parts.items()]
+    base = parts["fp32 baseline"]
+    untouched = base["attention"] + base["everything else"]
+    notes = [
+        f"{datetime.date.today()}; {cpu_line()}.",
+        f"one sampler step at {size}x{size} (CFG batch 2) under torch.profiler, seconds; an op counts with its "
+        "children (an INT8 layer's activation quantization and float fallback are INT8 time).",
+        f"INT8 alone cannot beat fp32 by more than {base['step'] / untouched:.2f}x here: attention "
+        f"({base['attention'] / base['step']:.0%} of the fp32 step) and everything else outside the Linear/Conv2d "
+        "layers stay as they are. Compile Model's SDPA and DeepCache take those on.",
+    ]
+    write_table(result_name("int8"), "Where a step's time goes (seconds)", ["variant"] + columns, rows, notes,
+                append=True)
 
 
 DENSITY_PLAN = "INT8 density 0, mse 0.1, speed gate"

@@ -86,6 +86,41 @@ def timed_sample(model, vae, positive, negative, *, size: int, steps: int, seed:
     return SampleRun(end - start, sampled - start, steps_s, samples.float(), image)
 
 
+# Where a UNet step's time goes, by the op that spends it (torch.profiler names; totals include children).
+INT8_LAYER_OPS = ("int8_accel::linear", "int8_accel::conv2d")
+FLOAT_LAYER_OPS = ("aten::linear", "aten::conv2d")
+ATTENTION_OPS = ("aten::baddbmm", "aten::bmm", "aten::softmax", "aten::_softmax",
+                 "aten::scaled_dot_product_attention")
+
+
+def step_breakdown(model, vae, positive, negative, *, size: int) -> dict[str, float]:
+    """Seconds of one sampler step (CFG batch) spent in INT8 layers, float Linear/Conv2d layers, attention and
+    everything else, from torch.profiler: an op is counted with its children where it is first met (a float
+    fallback inside an INT8 op stays INT8 time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timed_sample(model, vae, positive, negative, size=size, steps=1, decode=False)  # warm, outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run = timed_sample(model, vae, positive, negative, size=size, steps=1, decode=False)
+    buckets = {"INT8 layers": 0.0, "float Linear/Conv2d": 0.0, "attention": 0.0}
+
+    def visit(event) -> None:
+        for bucket, names in (("INT8 layers", INT8_LAYER_OPS), ("float Linear/Conv2d", FLOAT_LAYER_OPS),
+                              ("attention", ATTENTION_OPS)):
+            if event.name in names:
+                buckets[bucket] += event.cpu_time_total / 1e6
+                return
+        for child in event.cpu_children:
+            visit(child)
+
+    for event in prof.events():
+        if event.cpu_parent is None:
+            visit(event)
+    buckets["everything else"] = max(0.0, run.seconds_sampling - sum(buckets.values()))
+    buckets["step"] = run.seconds_sampling
+    return buckets
+
+
 def psnr(test: torch.Tensor, reference: torch.Tensor, peak: float | None = None) -> float:
     test, reference = test.double(), reference.double()
     mse = float(((test - reference) ** 2).mean())
@@ -94,17 +129,24 @@ def psnr(test: torch.Tensor, reference: torch.Tensor, peak: float | None = None)
     return math.inf if mse == 0 else 10 * math.log10(peak ** 2 / mse)
 
 
-def write_table(name: str, title: str, header: list[str], rows: list[list[str]], notes: list[str]) -> Path:
+def format_table(title: str, header: list[str], rows: list[list[str]], notes: list[str], level: str = "#") -> str:
+    """A markdown section: `level` title, table, then the notes as a list."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
-    text = [f"# {title}", "", line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    text = [f"{level} {title}", "", line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     text += [line(r) for r in rows]
     text += [""] + [f"- {n}" for n in notes]
-    out = "\n".join(text) + "\n"
-    print(out)
+    return "\n".join(text) + "\n"
+
+
+def write_table(name: str, title: str, header: list[str], rows: list[list[str]], notes: list[str],
+                append: bool = False) -> Path:
+    """Write (or with `append`, add a `##` section to) bench/results/<name>.md, and print it."""
     path = REPO_ROOT / "bench" / "results" / f"{name}.md"
+    out = format_table(title, header, rows, notes, level="##" if append else "#")
+    print(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(out)
+    path.write_text((path.read_text() + "\n" if append else "") + out)
     print(f"written to {path}")
     return path
 
