@@ -231,7 +231,9 @@ def test_int8_modules_outlive_the_clones_comfyui_drops_between_prompts(comfy_roo
     del clone
     gc.collect()
     out.detach(unpatch_all=False)  # ... and when another clone of the same model replaces it in memory
-    assert torch.equal(sample(out, "sd15", steps=2), first)
+    with record_calls() as calls:
+        assert torch.equal(sample(out, "sd15", steps=2), first)
+    assert sum(n for (_, _, path), n in calls.items() if path == "int8") > 0  # the kept modules ran in INT8
     assert {name: id(module) for name, module in plan._modules.items()} == built  # not rebuilt for the next prompt
 
 
