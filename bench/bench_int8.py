@@ -51,8 +51,8 @@ def main() -> None:
     # Calibrate once outside the timed runs (the decision is cached); report how long it took. The speed gate is
     # read when a model calibrates, so each variant calibrates with its own setting.
     calibration = {}
-    for name, (_, gate) in plans.items():
-        os.environ["INT8_ACCEL_SPEED_GATE"] = gate
+    for name in plans:
+        use_own_speed_gate(name, plans)
         run = timed_sample(variants[name], vae, positive, negative, size=args.size, steps=2, decode=False)
         calibration[name] = run.step_seconds[0]
     if args.density_only:
@@ -62,8 +62,7 @@ def main() -> None:
     runs = {name: [] for name in variants}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits every variant alike
         for name, variant in variants.items():
-            # the calibration cache is keyed by the gate setting too: each variant runs under its own
-            os.environ["INT8_ACCEL_SPEED_GATE"] = plans[name][1] if name in plans else gate_on
+            use_own_speed_gate(name, plans)
             runs[name].append(timed_sample(variant, vae, positive, negative, size=args.size, steps=args.steps))
 
     base = runs["fp32 baseline"]
@@ -104,12 +103,18 @@ def main() -> None:
     write_breakdown(variants, plans, vae, positive, negative, args.size)
 
 
+def use_own_speed_gate(name: str, plans: dict) -> None:
+    """Run the next sampling under variant `name`'s speed-gate setting (the fp32 baseline has none: left on).
+    The calibration cache is keyed by that setting, so a variant run under another one would recalibrate."""
+    os.environ["INT8_ACCEL_SPEED_GATE"] = plans[name][1] if name in plans else "1"
+
+
 def write_breakdown(variants: dict, plans: dict, vae, positive, negative, size: int) -> None:
     """Where one step's time goes per variant, and the most INT8 alone could give: the fp32 step over its time
     outside the Linear/Conv2d layers (attention and the rest stay float whatever the INT8 layers cost)."""
     parts = {}
     for name, variant in variants.items():
-        os.environ["INT8_ACCEL_SPEED_GATE"] = plans[name][1] if name in plans else "1"
+        use_own_speed_gate(name, plans)
         parts[name] = step_breakdown(variant, vae, positive, negative, size=size)
     columns = ["INT8 layers", "float Linear/Conv2d", "attention", "everything else", "step"]
     rows = [[name] + [f"{part[c]:.2f}" for c in columns] for name, part in parts.items()]
