@@ -1,9 +1,9 @@
 """Bad input over the HTTP API gets ComfyUI's own errors, never a crash or a leak.
 
 Each bad prompt is the shipped SD1.5 INT8 workflow with one thing broken in the Quantize node. The
-server validates prompts before running them (HTTP 400 with node_errors): bad ranges, combos, links and
-missing inputs by ComfyUI's own checks, and bits other than 8 by the node's VALIDATE_INPUTS, whose message
-names the supported bits. Nothing of a rejected prompt runs, and the server stays up.
+server validates prompts before running them (HTTP 400 with node_errors): links and missing inputs by
+ComfyUI's own checks, ranges, combos and bits other than 8 by the node's validate_inputs, whose message names
+the input and what it allows (tests/test_node_inputs_server.py tries every input of every node). Nothing of a rejected prompt runs, and the server stays up.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def _broken(kind: str) -> tuple[dict, str]:
     inputs = prompt[quant]["inputs"]
     if kind == "threshold_out_of_range":
         inputs["conv_mse_threshold"] = 1.5
-        return prompt, "value_bigger_than_max"
+        return prompt, "custom_validation_failed"
     if kind == "threshold_below_range":
         inputs["linear_mse_threshold"] = -0.2
-        return prompt, "value_smaller_than_min"
+        return prompt, "custom_validation_failed"
     if kind == "unknown_combo_value":
         inputs["quantize_conv"] = "sometimes"
         return prompt, "custom_validation_failed"

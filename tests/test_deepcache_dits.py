@@ -192,7 +192,7 @@ def test_deepest_setting_and_the_first_too_deep_one(deepcache):
     with BlockRecorder(model, "hidream") as rec:
         sample(deepest, "hidream", steps=4)
     assert [ran for _, ran in rec.calls][1] == [0, 1, 3, 4]
-    with pytest.raises(ValueError, match="cache_depth 3 is too large.*HiDreamImageTransformer2DModel.*largest "
+    with pytest.raises(ValueError, match="cache_depth=3 is too large.*HiDreamImageTransformer2DModel.*largest "
                                          "cache_depth is 2"):
         deepcache.apply_deepcache(model, 2, 3)
 

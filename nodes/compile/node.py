@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..node_schema import combo_problem, pack_schema
+from ..node_schema import pack_schema, widget_problem
 from . import DYNAMIC_CHOICES, MODE_CHOICES, CompileSettings, available_backends, compile_model
 
 
@@ -39,8 +39,8 @@ class Int8AccelCompile(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend: str, mode: str, dynamic: str) -> bool | str:
-        return combo_problem(cls, backend=backend, mode=mode, dynamic=dynamic) or True
+    def validate_inputs(cls, **values) -> bool | str:
+        return widget_problem(cls, values) or True
 
     @classmethod
     def execute(cls, model, backend: str, mode: str, dynamic: str, fullgraph: bool) -> io.NodeOutput:

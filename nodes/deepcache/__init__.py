@@ -20,15 +20,9 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
                     end_percent: float = 1.0):
     """Return a clone of `model` (a ModelPatcher) with DeepCache; raise ValueError on bad settings or a model
     DeepCache cannot cache (the node then fails with that message in the page)."""
-    cache_interval, cache_depth = int(cache_interval), int(cache_depth)
-    start_percent, end_percent = float(start_percent), float(end_percent)
-    if cache_interval < 1:
-        raise ValueError(f"DeepCache: cache_interval must be at least 1, got {cache_interval}.")
-    if cache_depth < 1:
-        raise ValueError(f"DeepCache: cache_depth must be at least 1, got {cache_depth}.")
-    if not 0.0 <= start_percent < end_percent <= 1.0:
-        raise ValueError(f"DeepCache: start_percent ({start_percent}) must be smaller than end_percent "
-                         f"({end_percent}), both within 0..1.")
+    config = DeepCacheConfig(int(cache_interval), int(cache_depth), float(start_percent), float(end_percent))
+    if config.problem():
+        raise ValueError(f"DeepCache: {config.problem()}.")
 
     diffusion_model = model.get_model_object("diffusion_model")
     family = layout = None
@@ -42,19 +36,18 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
         layout = block_layout(diffusion_model, family)
         limit = max_depth(layout)
         kind = f"this {type(diffusion_model).__name__} has {len(layout)} blocks and needs at least one middle block"
-    if cache_depth > limit:
-        raise ValueError(f"DeepCache: cache_depth {cache_depth} is too large: {kind}, so the largest "
+    if config.cache_depth > limit:
+        raise ValueError(f"DeepCache: cache_depth={config.cache_depth} is too large: {kind}, so the largest "
                          f"cache_depth is {limit}.")
 
     patched = model.clone()
     _remove_previous_deepcache(patched)
-    config = DeepCacheConfig(cache_interval, cache_depth, start_percent, end_percent)
     if family is None:
         install_step_wrappers(patched, config)
-        install_unet(patched, cache_depth)
+        install_unet(patched, config.cache_depth)
     else:
         install_step_wrappers(patched, config, uncached_message)
-        install_dit(patched, cache_depth, family, layout)
+        install_dit(patched, config.cache_depth, family, layout)
     patched.model_options.setdefault("transformer_options", {})[STATE_KEY + "_config"] = config
     return patched
 

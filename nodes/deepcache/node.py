@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..node_schema import pack_schema
-from . import apply_deepcache
+from ..node_schema import pack_schema, widget_problem
+from . import DeepCacheConfig, apply_deepcache
 from .families import supported_names
 
 MAX_DEPTH_WIDGET = 64
@@ -53,6 +53,13 @@ class Int8AccelDeepCache(io.ComfyNode):
             outputs=[io.Model.Output(display_name="model",
                                      tooltip="The model with DeepCache applied (the input model is not modified).")],
         )
+
+    @classmethod
+    def validate_inputs(cls, **values) -> bool | str:
+        problem = widget_problem(cls, values)
+        if problem is None and values.get("start_percent") is not None and values.get("end_percent") is not None:
+            problem = DeepCacheConfig(1, 1, values["start_percent"], values["end_percent"]).problem()
+        return problem or True
 
     @classmethod
     def execute(cls, model, cache_interval: int, cache_depth: int, start_percent: float,

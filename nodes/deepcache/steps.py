@@ -42,6 +42,18 @@ class DeepCacheConfig:
     start_percent: float
     end_percent: float
 
+    def problem(self) -> str | None:
+        """Why these settings cannot run, naming the input, or None (NaN fails every range check here). How deep
+        a model allows caching is known only once the model is: `apply_deepcache` checks cache_depth then."""
+        if not self.cache_interval >= 1:
+            return f"cache_interval={self.cache_interval} must be at least 1"
+        if not self.cache_depth >= 1:
+            return f"cache_depth={self.cache_depth} must be at least 1"
+        if not 0.0 <= self.start_percent < self.end_percent <= 1.0:
+            return (f"start_percent={self.start_percent} must be smaller than end_percent={self.end_percent}, "
+                    "both within 0..1")
+        return None
+
 
 class Mode(enum.Enum):
     FULL = "full"  # run the network unchanged, cache nothing

@@ -5,7 +5,7 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io
 
-from ..node_schema import combo_problem, pack_schema
+from ..node_schema import pack_schema, widget_problem
 from ..page import show_on_node
 from .loader import load_int8_diffusion_model, resident_memory_line
 
@@ -31,8 +31,8 @@ class Int8AccelLoadModel(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, unet_name: str) -> bool | str:
-        return combo_problem(cls, unet_name=unet_name) or True
+    def validate_inputs(cls, **values) -> bool | str:
+        return widget_problem(cls, values) or True
 
     @classmethod
     def execute(cls, unet_name: str) -> io.NodeOutput:

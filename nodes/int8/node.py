@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..node_schema import combo_problem, pack_schema
+from ..node_schema import pack_schema, widget_problem
 from . import apply_int8
 from .cache import report_generation
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
@@ -60,9 +60,12 @@ class Int8AccelQuantize(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, bits: int, quantize_conv: str, quantize_linear: str) -> bool | str:
-        return (QuantizeSettings(bits=int(bits)).bits_error()
-                or combo_problem(cls, quantize_conv=quantize_conv, quantize_linear=quantize_linear) or True)
+    def validate_inputs(cls, **values) -> bool | str:
+        # bits first: its widget range is 8..8, and the settings say why
+        bits = values.get("bits")
+        if isinstance(bits, int) and not isinstance(bits, bool) and QuantizeSettings(bits=bits).bits_error():
+            return QuantizeSettings(bits=bits).bits_error()
+        return widget_problem(cls, values) or True
 
     @classmethod
     def fingerprint_inputs(cls, **inputs) -> str:

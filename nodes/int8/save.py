@@ -77,12 +77,24 @@ def int8_checkpoint(model, bake_lora: bool = False,
     return sd, metadata
 
 
+def filename_prefix_problem(filename_prefix: str) -> str | None:
+    """Why `filename_prefix` cannot name a file inside the diffusion_models folder, or None."""
+    parts = filename_prefix.replace("\\", "/").split("/")
+    if not filename_prefix.strip() or not parts[-1].strip():
+        return f"filename_prefix={filename_prefix!r} must end in a file name (for example int8/my_model)"
+    if filename_prefix.startswith("/") or ".." in parts or ":" in parts[0]:
+        return f"filename_prefix={filename_prefix!r} must be a relative path inside the diffusion_models folder"
+    return None
+
+
 def save_int8_model(model, filename_prefix: str = "int8/diffusion_model", bake_lora: bool = False,
                     output_dir: str | None = None, after_sampling: bool = False) -> str:
     """Write `model` (a MODEL from Quantize Model (INT8), calibrated) as one .safetensors in ComfyUI's first
     diffusion_models folder (or `output_dir`) and return its path. `after_sampling` as for `int8_checkpoint`."""
     import folder_paths
 
+    if filename_prefix_problem(filename_prefix):
+        raise ValueError(filename_prefix_problem(filename_prefix))
     sd, metadata = int8_checkpoint(model, bake_lora, after_sampling)
     output_dir = output_dir or folder_paths.get_folder_paths("diffusion_models")[0]
     folder, filename, counter, _, _ = folder_paths.get_save_image_path(filename_prefix, output_dir)

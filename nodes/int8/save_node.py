@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..node_schema import pack_schema
-from .save import save_int8_model
+from ..node_schema import pack_schema, widget_problem
+from .save import filename_prefix_problem, save_int8_model
 
 
 class Int8AccelSaveModel(io.ComfyNode):
@@ -35,6 +35,13 @@ class Int8AccelSaveModel(io.ComfyNode):
             outputs=[],
             is_output_node=True,
         )
+
+    @classmethod
+    def validate_inputs(cls, **values) -> bool | str:
+        problem = widget_problem(cls, values)
+        if problem is None and isinstance(values.get("filename_prefix"), str):
+            problem = filename_prefix_problem(values["filename_prefix"])
+        return problem or True
 
     @classmethod
     def execute(cls, model, filename_prefix: str, bake_lora: bool, after_sampling: dict | None = None) -> io.NodeOutput:

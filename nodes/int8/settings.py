@@ -25,15 +25,21 @@ class QuantizeSettings:
         return (f"bits={self.bits} is not supported: only bits=8 (W8A8: int8 weights per output channel, int8 "
                 f"dynamic activations) is implemented")
 
-    def validate(self) -> None:
+    def problem(self) -> str | None:
+        """Why these settings cannot run (naming the input), or None. NaN fails every range check here."""
         if self.bits_error():
-            raise ValueError(self.bits_error())
+            return self.bits_error()
         for name in ("conv_mse_threshold", "linear_mse_threshold"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}={value} is outside 0..1")
-        if self.compute_density_threshold < 0:
-            raise ValueError(f"compute_density_threshold={self.compute_density_threshold} must be >= 0")
+                return f"{name}={value} is outside the allowed range 0..1"
+        if not self.compute_density_threshold >= 0:
+            return f"compute_density_threshold={self.compute_density_threshold} must be >= 0"
+        return None
+
+    def validate(self) -> None:
+        if self.problem():
+            raise ValueError(self.problem())
 
     def threshold_for(self, kind: str) -> float:
         return self.conv_mse_threshold if kind == "conv" else self.linear_mse_threshold
