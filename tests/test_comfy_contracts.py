@@ -1,0 +1,110 @@
+"""The ComfyUI weight-management contracts (`nodes/comfy_contracts.py`) and the INT8 layers on each of them.
+
+ComfyUI 0.3.75 runs its own contracts; ComfyUI 0.38.1's are swapped in one at a time from
+`tests/support/comfy038.py`, each a copy of the 0.38.1 function it names, with 0.3.75's behaviour as the control.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from comfyui_int8_accel.kernels import record_calls
+from comfyui_int8_accel.nodes import comfy_contracts
+from comfyui_int8_accel.nodes.int8 import apply_int8, settings_from_widgets
+from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict
+from comfyui_int8_accel.nodes.int8.loader import load_int8_state_dict
+from tests.support import comfy038
+from tests.support.int8_checks import ALL_INT8, rel
+from tests.support.lora import apply_lora, make_lora
+from tests.support.tiny_models import build_tiny_model, latent_channels, make_conditioning
+from tests.test_int8_checkpoints import all_int8_layers, detect_tiny
+
+# How ComfyUI hands LoRA to a layer: merged into the weight at load; per forward through 0.3.75's LowVramPatch
+# (calls convert_func) or 0.38.1's (never does), both in `weight_function`; or through 0.38.1's dynamic VRAM
+# (`weight_lowvram_function`).
+CONTRACTS = ("merged", "lowvram_0.3.75", "lowvram_0.38", "dynamic_vram_0.38")
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
+
+
+def test_contracts_are_detected_by_feature(comfy_root, monkeypatch):
+    """0.3.75 offers the LowVramPatch that converts, no dynamic VRAM, no cached_patcher_init, no
+    lora_compute_dtype; swapping in 0.38.1's LowVramPatch.__call__ flips exactly that detection."""
+    found = comfy_contracts.detect()
+    assert found.lowvram_patch_calls_convert and not found.dynamic_vram
+    assert not found.cached_patcher_init and not found.lora_compute_dtype
+    assert comfy_contracts.lora_compute_dtype(torch.device("cpu")) == torch.float32
+    with comfy038.lowvram_patch_without_convert(monkeypatch):
+        assert not comfy_contracts.detect().lowvram_patch_calls_convert
+
+
+def _model_call(patcher, contract: str, monkeypatch, calls: int = 1) -> tuple[torch.Tensor, int]:
+    """The output of the `calls`-th model call of `patcher` under `contract` (on-the-fly INT8 calibrates on its
+    first call), and how many INT8 kernel calls ran the W8A8 arithmetic in the last one."""
+    gen = torch.Generator().manual_seed(3)
+    positive, _ = make_conditioning("sd15", batch=2)
+    x, t = torch.randn(2, latent_channels("sd15"), 16, 16, generator=gen), torch.tensor([700.0, 700.0])
+    if contract == "dynamic_vram_0.38":
+        loading = comfy038.dynamic_vram_load(patcher, monkeypatch)
+    else:
+        patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=0 if contract == "merged" else 1)
+        loading = contextlib.ExitStack()
+        loading.callback(patcher.unpatch_model, device_to=torch.device("cpu"))
+        if contract == "lowvram_0.38":
+            loading.enter_context(comfy038.lowvram_patch_without_convert(monkeypatch))
+    with loading, torch.inference_mode():
+        cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
+        cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
+        for _ in range(calls):
+            with record_calls() as counted:
+                out = patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
+    return out, sum(n for (op, backend, path), n in counted.items() if path == "int8")
+
+
+def _assert_lora_honoured(results: dict, float_lora: torch.Tensor, plain: torch.Tensor, int8_error: float) -> None:
+    for contract, (out, int8_calls) in results.items():
+        assert int8_calls > 0, contract  # it really ran in INT8
+        # the LoRA adds no error beyond one more rounding on top of INT8's own at this weight width
+        assert rel(out, float_lora) < 1.5 * int8_error + 1e-3, (contract, rel(out, float_lora), int8_error)
+        assert rel(out, plain) > 0.01, contract  # and it took effect
+
+
+def test_lora_on_the_fly_int8_on_every_contract(comfy_root, monkeypatch, weight_width):
+    """Quantize Model (INT8) with a LoRA before it: the INT8 layers are built from the float layers' weights with
+    the LoRA in whatever form ComfyUI left it (merged, weight_function, weight_lowvram_function)."""
+    base = build_tiny_model("sd15")
+    lora = make_lora(base, layers=8, scale=2.0)
+    settings = settings_from_widgets(**ALL_INT8)
+    float_lora, _ = _model_call(apply_lora(base, lora), "merged", monkeypatch)
+    plain, _ = _model_call(apply_int8(base, settings)[0], "merged", monkeypatch, calls=2)
+    results = {contract: _model_call(apply_int8(apply_lora(base, lora), settings)[0], contract, monkeypatch, calls=2)
+               for contract in CONTRACTS}
+    int8_error = rel(results["merged"][0], float_lora)
+    _assert_lora_honoured(results, float_lora, plain, int8_error)
+    # the same int8 weights whichever way the LoRA came in
+    for contract in CONTRACTS:
+        assert torch.allclose(results[contract][0], results["merged"][0], rtol=1e-4, atol=1e-4), contract
+
+
+def test_lora_on_loaded_int8_on_every_contract(comfy_root, monkeypatch, weight_width):
+    """Load Diffusion Model (INT8), then a LoRA: every contract computes float + LoRA up to INT8's error. Before,
+    0.38.1's LowVramPatch added the LoRA to unscaled int8 values and dynamic VRAM dropped it."""
+    detect_tiny(monkeypatch, "sd15")
+    base = build_tiny_model("sd15")
+    dm = base.model.diffusion_model
+    loaded = load_int8_state_dict(int8_state_dict(dm.state_dict().items(), all_int8_layers(dm)))
+    lora = make_lora(base, layers=8, scale=2.0)
+    float_lora, _ = _model_call(apply_lora(base, lora), "merged", monkeypatch)
+    on_the_fly = apply_int8(apply_lora(base, lora), settings_from_widgets(**ALL_INT8))[0]
+    int8_error = rel(_model_call(on_the_fly, "merged", monkeypatch, calls=2)[0], float_lora)
+    plain, _ = _model_call(loaded, "merged", monkeypatch)
+    results = {contract: _model_call(apply_lora(loaded, lora), contract, monkeypatch) for contract in CONTRACTS}
+    _assert_lora_honoured(results, float_lora, plain, int8_error)
+    assert torch.equal(_model_call(loaded, "merged", monkeypatch)[0], plain)  # nothing left behind
+
