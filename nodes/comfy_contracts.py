@@ -162,7 +162,7 @@ def merged_state_dict(patcher, prefix: str = "diffusion_model.", apply_patches: 
 
     device = device or patcher.load_device
     out = {}
-    for key, (original, convert, *patches) in patcher.get_key_patches(prefix).items():
+    for key, ((original, convert), *patches) in patcher.get_key_patches(prefix).items():
         if not apply_patches or not patches:
             out[key.removeprefix(prefix)] = _plain(original).detach().to("cpu", copy=True)
             continue

@@ -14,12 +14,12 @@ import torch
 from comfyui_int8_accel.kernels import record_calls
 from comfyui_int8_accel.nodes import comfy_contracts
 from comfyui_int8_accel.nodes.int8 import apply_int8, settings_from_widgets
-from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict
+from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict, layer_tensors
 from comfyui_int8_accel.nodes.int8.loader import load_int8_state_dict
 from tests.support import comfy038
 from tests.support.int8_checks import ALL_INT8, rel
 from tests.support.lora import apply_lora, make_lora
-from tests.support.tiny_models import build_tiny_model, latent_channels, make_conditioning
+from tests.support.tiny_models import build_tiny_model, latent_channels, make_conditioning, sample
 from tests.test_int8_checkpoints import all_int8_layers, detect_tiny
 
 # How ComfyUI hands LoRA to a layer: merged into the weight at load; per forward through 0.3.75's LowVramPatch
@@ -107,4 +107,51 @@ def test_lora_on_loaded_int8_on_every_contract(comfy_root, monkeypatch, weight_w
     results = {contract: _model_call(apply_lora(loaded, lora), contract, monkeypatch) for contract in CONTRACTS}
     _assert_lora_honoured(results, float_lora, plain, int8_error)
     assert torch.equal(_model_call(loaded, "merged", monkeypatch)[0], plain)  # nothing left behind
+
+
+def test_save_bakes_lora_without_asking_comfyui_to_patch(comfy_root, monkeypatch, tmp_path):
+    """Save INT8 Model computes the merged weights itself: with `load_models_gpu` asserting against
+    `force_patch_weights` as 0.38.1's ModelPatcherDynamic.load does, `bake_lora` writes float + LoRA quantized and
+    the plain save writes the original weights quantized, although the last sampling left the LoRA merged into the
+    live weights."""
+    import comfy.model_management
+    import comfy.utils
+
+    from comfyui_int8_accel.nodes.int8.save import save_int8_model
+
+    load_models_gpu = comfy.model_management.load_models_gpu
+
+    def asserting_load(models, *args, force_patch_weights: bool = False, **kwargs):
+        comfy038.dynamic_load_asserts(models, force_patch_weights=force_patch_weights)
+        return load_models_gpu(models, *args, **kwargs)
+
+    base = build_tiny_model("sd15")
+    dm = base.model.diffusion_model
+    original = all_int8_layers(dm)
+    lora = make_lora(base, layers=6, scale=1.0)
+    merged = apply_lora(base, lora)
+    merged.patch_model(device_to=torch.device("cpu"))
+    try:
+        expected_baked = all_int8_layers(dm)
+    finally:
+        merged.unpatch_model(device_to=torch.device("cpu"))
+    lora_layers = {key.removeprefix("diffusion_model.").removesuffix(".lora_up.weight") for key in lora
+                   if key.endswith(".lora_up.weight")}
+
+    monkeypatch.setattr(comfy.model_management, "load_models_gpu", asserting_load)
+    quantized = apply_lora(apply_int8(base, settings_from_widgets(**ALL_INT8))[0], lora)
+    sample(quantized, "sd15", steps=1)  # calibrates; ComfyUI leaves the LoRA merged into the live weights
+    # the LoRA is merged into the live weights; their originals are in ComfyUI's backup
+    assert all(f"diffusion_model.{name}.weight" in base.backup for name in lora_layers)
+    assert not any(torch.equal(dm.get_submodule(name).weight, base.backup[f"diffusion_model.{name}.weight"].weight)
+                   for name in lora_layers)
+    for bake, expected in ((True, expected_baked), (False, original)):
+        path = save_int8_model(quantized, f"int8/bake_{bake}", bake_lora=bake, output_dir=str(tmp_path))
+        sd = comfy.utils.load_torch_file(path)
+        assert sorted(name for name in expected if f"{name}.weight_scale" in sd) == sorted(expected)
+        for name, layer in expected.items():
+            for suffix, value in layer_tensors(layer).items():
+                assert torch.equal(sd[f"{name}.{suffix}"], value), (bake, name, suffix)
+        assert all(not torch.equal(expected_baked[name].weight, original[name].weight) for name in lora_layers)
+    comfy.model_management.unload_all_models()
 
