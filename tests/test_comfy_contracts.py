@@ -15,12 +15,13 @@ from comfyui_int8_accel.kernels import record_calls
 from comfyui_int8_accel.nodes import comfy_contracts
 from comfyui_int8_accel.nodes.int8 import apply_int8, settings_from_widgets
 from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict, layer_tensors
-from comfyui_int8_accel.nodes.int8.loader import load_int8_state_dict
+from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_state_dict
 from tests.support import comfy038
 from tests.support.int8_checks import ALL_INT8, rel
 from tests.support.lora import apply_lora, make_lora
 from tests.support.tiny_models import build_tiny_model, latent_channels, make_conditioning, sample
 from tests.test_int8_checkpoints import all_int8_layers, detect_tiny
+from tests.test_int8_checkpoints import models_dir as models_dir_fixture  # noqa: F401 (a fixture)
 
 # How ComfyUI hands LoRA to a layer: merged into the weight at load; per forward through 0.3.75's LowVramPatch
 # (calls convert_func) or 0.38.1's (never does), both in `weight_function`; or through 0.38.1's dynamic VRAM
@@ -155,3 +156,30 @@ def test_save_bakes_lora_without_asking_comfyui_to_patch(comfy_root, monkeypatch
         assert all(not torch.equal(expected_baked[name].weight, original[name].weight) for name in lora_layers)
     comfy.model_management.unload_all_models()
 
+
+def test_loaded_model_can_be_rebuilt_by_comfyui(pack, request, monkeypatch):
+    """Load Diffusion Model (INT8) sets `cached_patcher_init` as core's loaders do in 0.38.1 (comfy/sd.py,
+    `load_diffusion_model`: `(load_diffusion_model, (unet_path, model_options))`), which
+    `ModelPatcher.clone(disable_dynamic=True)` calls with `disable_dynamic=True` and `deepclone_multigpu` without:
+    both rebuild an equivalent INT8 model of their own."""
+    import comfy.utils
+
+    models_dir = request.getfixturevalue("models_dir_fixture")  # the loader node's diffusion_models folder
+    detect_tiny(monkeypatch, "sd15")
+    base = build_tiny_model("sd15")
+    dm = base.model.diffusion_model
+    comfy.utils.save_torch_file(int8_state_dict(dm.state_dict().items(), all_int8_layers(dm)),
+                                str(models_dir / "tiny.safetensors"))
+    loaded = pack.NODE_CLASS_MAPPINGS["Int8AccelLoadModel"].execute(unet_name="tiny.safetensors").result[0]
+    factory, args = loaded.cached_patcher_init
+    expected, int8_calls = _model_call(loaded, "merged", monkeypatch)
+    assert int8_calls > 0
+    for rebuilt in (factory(*args, disable_dynamic=True), factory(*args)):
+        assert rebuilt.model is not loaded.model
+        assert rebuilt.cached_patcher_init == loaded.cached_patcher_init
+        layers, originals = int8_resident_layers(rebuilt.model.diffusion_model), int8_resident_layers(
+            loaded.model.diffusion_model)
+        assert sorted(layers) == sorted(originals)
+        assert all(torch.equal(layers[name].weight, originals[name].weight) for name in layers)
+        out, int8_calls = _model_call(rebuilt, "merged", monkeypatch)
+        assert int8_calls > 0 and torch.equal(out, expected)
