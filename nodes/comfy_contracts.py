@@ -18,6 +18,7 @@ ComfyUI has changed how a layer gets its weights several times:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -56,9 +57,14 @@ def detect() -> Contracts:
 # --- per-forward weight patches ---------------------------------------------------------------------------------
 
 def _calls_convert_func(patch_class: type) -> bool:
-    """Whether `patch_class` (a LowVramPatch-like class) runs its convert_func: call one with an empty patch list
-    and a convert function that records being called. The answer depends on the code, so it is not cached: a
-    test may swap `__call__`."""
+    """Whether `patch_class` (a LowVramPatch-like class) runs its convert_func (asked once per class and
+    `__call__`)."""
+    return _probe_convert_func(patch_class, patch_class.__call__)
+
+
+@functools.cache
+def _probe_convert_func(patch_class: type, call) -> bool:
+    """Call one instance with an empty patch list and a convert function that records being called."""
     called = []
 
     def convert(weight: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -103,6 +109,7 @@ def lora_compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if choose is None else choose(device)
 
 
+@functools.cache
 def quantized_tensor_class() -> type | None:
     try:
         from comfy.quant_ops import QuantizedTensor
@@ -164,7 +171,7 @@ def merged_state_dict(patcher, prefix: str = "diffusion_model.", apply_patches: 
     out = {}
     for key, ((original, convert), *patches) in patcher.get_key_patches(prefix).items():
         if not apply_patches or not patches:
-            out[key.removeprefix(prefix)] = _plain(original).detach().to("cpu", copy=True)
+            out[key.removeprefix(prefix)] = _plain(original).detach().to("cpu")
             continue
         dtype = lora_compute_dtype(device)
         weight = convert(comfy.model_management.cast_to_device(_plain(original), device, dtype, copy=True),

@@ -183,3 +183,33 @@ def test_loaded_model_can_be_rebuilt_by_comfyui(pack, request, monkeypatch):
         assert all(torch.equal(layers[name].weight, originals[name].weight) for name in layers)
         out, int8_calls = _model_call(rebuilt, "merged", monkeypatch)
         assert int8_calls > 0 and torch.equal(out, expected)
+
+
+def test_small_loaded_int8_layers_survive_the_force_cast_load(comfy_root, monkeypatch):
+    """0.38.1's ModelPatcherDynamic.load force-loads layers of 16 KiB or less through
+    `patch_weight_to_device(key, force_cast=True)` (comfy/model_patcher.py, swapped in from comfy038), which hands
+    `convert_weight` the stored int8 weight with `inplace=True`: the layer takes it and stays the same INT8 layer."""
+    import comfy.model_management
+
+    detect_tiny(monkeypatch, "sd15")
+    base = build_tiny_model("sd15")
+    dm = base.model.diffusion_model
+    loaded = load_int8_state_dict(int8_state_dict(dm.state_dict().items(), all_int8_layers(dm)))
+    before, _ = _model_call(loaded, "merged", monkeypatch)
+    resident = int8_resident_layers(loaded.model.diffusion_model)
+    small = {name: layer for name, layer in resident.items()
+             if comfy.model_management.module_size(layer) <= comfy038.SMALL_LAYER_BYTES}
+    assert small
+    dequantized = {name: layer.weight.float() * layer.weight_scale.view(-1, *[1] * (layer.weight.ndim - 1))
+                   for name, layer in small.items()}
+    for name in small:
+        comfy038.patch_weight_to_device(loaded, f"diffusion_model.{name}.weight", device_to=torch.device("cpu"),
+                                        force_cast=True)
+    for name, layer in small.items():
+        assert layer.weight.dtype == torch.int8
+        now = layer.weight.float() * layer.weight_scale.view(-1, *[1] * (layer.weight.ndim - 1))
+        assert torch.allclose(now, dequantized[name], rtol=1e-5, atol=1e-7), name
+    out, int8_calls = _model_call(loaded, "merged", monkeypatch)  # its unpatch restores ComfyUI's backups
+    assert int8_calls > 0 and rel(out, before) < 1e-4
+    assert torch.equal(_model_call(loaded, "merged", monkeypatch)[0], before)
+

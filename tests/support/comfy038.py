@@ -161,3 +161,4 @@ def dynamic_load_asserts(patcher, *args, force_patch_weights: bool = False, **kw
     """comfy/model_patcher.py, `ModelPatcherDynamic.load` (0.38.1) starts with `assert not force_patch_weights`
     (and `partially_load` likewise); everything after it needs a GPU."""
     assert not force_patch_weights
+
