@@ -213,3 +213,31 @@ def test_small_loaded_int8_layers_survive_the_force_cast_load(comfy_root, monkey
     assert int8_calls > 0 and rel(out, before) < 1e-4
     assert torch.equal(_model_call(loaded, "merged", monkeypatch)[0], before)
 
+
+def test_compiled_blocks_run_eagerly_where_comfyui_manages_weights_per_forward(pack, monkeypatch):
+    """Compile Model's blocks strategy (forced, on the tiny SD1.5): under 0.38.1's dynamic VRAM (comfy038's
+    emulation of ModelPatcherDynamic.load: VBAR slots, LoRA in `weight_lowvram_function`, 0.38.1's streamed cast)
+    the blocks run eagerly, with the LoRA, instead of compiling ComfyUI's streaming into their graphs; loaded the
+    ordinary way the same compiled model runs its blocks compiled."""
+    import importlib
+
+    from tests.test_compile_blocks import COUNTING, UNET_WIDTH, _register_counting_backend, graph_runs
+
+    _register_counting_backend()
+    cm = importlib.import_module("comfyui_int8_accel.nodes.compile")
+    monkeypatch.setenv(cm.STRATEGY_ENV, "blocks")
+    with torch.inference_mode():
+        base = build_tiny_model("sd15", unet_config=UNET_WIDTH)
+    compiled = cm.compile_model(base, cm.CompileSettings(backend=COUNTING), strategy="blocks")
+    lora = make_lora(base, layers=8, scale=2.0)
+
+    runs = sum(graph_runs.values())
+    merged, _ = _model_call(apply_lora(compiled, lora), "merged", monkeypatch)
+    assert sum(graph_runs.values()) > runs  # the control: blocks compiled
+    eager, _ = _model_call(apply_lora(base, lora), "dynamic_vram_0.38", monkeypatch)
+    assert rel(eager, merged) < 1e-4  # the emulation computes float + LoRA
+    runs = sum(graph_runs.values())
+    streamed, _ = _model_call(apply_lora(compiled, lora), "dynamic_vram_0.38", monkeypatch)
+    assert sum(graph_runs.values()) == runs  # not one block ran compiled
+    assert rel(streamed, eager) < 1e-5
+
