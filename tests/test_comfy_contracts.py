@@ -16,6 +16,8 @@ from comfyui_int8_accel.nodes import comfy_contracts
 from comfyui_int8_accel.nodes.int8 import apply_int8, settings_from_widgets
 from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict, layer_tensors
 from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_state_dict
+from comfyui_int8_accel.nodes.int8.modules import Int8Linear
+from tests.conftest import WEIGHT_ERROR_SCALE
 from tests.support import comfy038
 from tests.support.int8_checks import ALL_INT8, rel
 from tests.support.lora import apply_lora, make_lora
@@ -241,3 +243,19 @@ def test_compiled_blocks_run_eagerly_where_comfyui_manages_weights_per_forward(p
     assert sum(graph_runs.values()) == runs  # not one block ran compiled
     assert rel(streamed, eager) < 1e-5
 
+
+def test_fused_input_activation_with_fp16_accumulation_runs_the_int8_layer(comfy_root, weight_width):
+    """ComfyUI 0.38.1's `linear_input_act` (Qwen-Image 2.1's feed-forward) with fp16 accumulation on took an
+    Int8Linear's weight through `cast_bias_weight`, int8 values without their scale; the layer now asks for
+    full-precision matmul there, so the function calls it and it runs in INT8 (comfy038.linear_input_act)."""
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(256, 256, generator=gen) * 0.05, torch.randn(256, generator=gen)
+    layer = Int8Linear(weight, bias)
+    x = torch.randn(64, 512, generator=gen)
+    gate, up = x.chunk(2, dim=-1)
+    reference = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, weight, bias)
+    for fp16_accumulation in (False, True):
+        with torch.inference_mode(), record_calls() as counted:
+            out = comfy038.linear_input_act(layer, x, "swiglu", fp16_accumulation=fp16_accumulation)
+        assert sum(n for (op, backend, path), n in counted.items() if path == "int8") > 0, fp16_accumulation
+        assert rel(out, reference) < 0.02 * WEIGHT_ERROR_SCALE[weight_width], fp16_accumulation

@@ -129,6 +129,11 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
 
 
 class Int8Linear(_Int8Layer):
+    # ComfyUI's fused `comfy.ops.linear_input_act` (0.38) feeds a weight that is not its own QuantizedTensor to an
+    # fp16-accumulate GEMM through `cast_bias_weight` (int8 values without their scale) unless the layer asks for
+    # full-precision matmul; then it calls the layer, which runs its INT8 kernels.
+    _full_precision_mm = True
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, qmax: int | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape

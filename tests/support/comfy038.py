@@ -162,3 +162,23 @@ def dynamic_load_asserts(patcher, *args, force_patch_weights: bool = False, **kw
     (and `partially_load` likewise); everything after it needs a GPU."""
     assert not force_patch_weights
 
+
+def linear_input_act(linear, x: torch.Tensor, input_act: str | None, *, fp16_accumulation: bool) -> torch.Tensor:
+    """comfy/ops.py, `linear_input_act` (0.38.1; Qwen-Image 2.1's feed-forward calls it), its branch for a weight
+    that is not a TensorWiseINT8 `QuantizedTensor` (an `Int8Linear`'s weight is a plain int8 tensor): when
+    `_fp16_linear_wanted(x)` (the user's fp16-accumulation opt-in and an fp16 CUDA activation, here
+    `fp16_accumulation`) and the layer does not ask for full-precision matmul (`_full_precision_mm`), the weight
+    comes from `cast_bias_weight(linear, x, offloadable=True)` and goes to comfy-kitchen's fp16 GEMM (here
+    `F.linear`, the same arithmetic on the CPU); otherwise the layer itself is called on the activated input."""
+    import comfy.ops
+
+    activations = {None: lambda t: t, "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+                   "swiglu": lambda t: torch.nn.functional.silu(t.chunk(2, dim=-1)[0]) * t.chunk(2, dim=-1)[1]}
+    activated = activations[input_act](x)
+    if not getattr(linear, "_full_precision_mm", False) and fp16_accumulation:
+        weight, bias, offload_stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True)
+        try:
+            return torch.nn.functional.linear(activated, weight, bias)
+        finally:
+            comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
+    return linear(activated)
