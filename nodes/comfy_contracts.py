@@ -37,9 +37,6 @@ class Contracts:
     cached_patcher_init: bool  # ModelPatcher.cached_patcher_init, rebuilt by clone(disable_dynamic=True)
     lora_compute_dtype: bool  # comfy.model_management.lora_compute_dtype
 
-    def summary(self) -> str:
-        return ", ".join(f"{field.name}={getattr(self, field.name)}" for field in dataclasses.fields(self))
-
 
 def detect() -> Contracts:
     import comfy.model_management
