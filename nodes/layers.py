@@ -32,8 +32,3 @@ def layer_kind(module: torch.nn.Module) -> str | None:
             return kind if type(module).forward in _ordinary_forwards(kind) else None
     return None
 
-
-def patches_in_forward(module: torch.nn.Module) -> bool:
-    """True when ComfyUI casts or patches this layer's weights inside its forward (offloaded, low-VRAM LoRA)."""
-    return bool(getattr(module, "comfy_cast_weights", False) or getattr(module, "weight_function", None)
-                or getattr(module, "bias_function", None))

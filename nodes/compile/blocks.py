@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..comfy_contracts import has_weight_patches, uses_vbar_cast
 from .attention import only_own_override
 from .regions import CompiledRegion
 from .settings import BLOCK_RECOMPILE_LIMIT, CompileSettings
@@ -125,17 +126,31 @@ def block_region(cls: type, settings: CompileSettings) -> CompiledRegion:
 
 def runs_eagerly(block: torch.nn.Module) -> bool:
     """True while Python code runs inside the block's layers or watches them: a forward hook (INT8
-    calibration measures layers that way), a dispatch mode (FLOP counting), or a weight patch applied per
-    forward (LoRA in low-VRAM mode; its memory checks break the graph). Compiled, the hooks and patches would
-    be traced into the graph or split it, and the mode would see none of the compiled ops."""
+    calibration measures layers that way), a dispatch mode (FLOP counting), a weight patch applied per forward
+    (LoRA in low-VRAM or dynamic-VRAM mode: `*_function`, `*_lowvram_function`), or ComfyUI's dynamic-VRAM
+    streaming of the layer's weights (the VBAR cast path). Compiled, the hooks and patches would be traced into
+    the graph or split it, the streaming breaks the graph, and the mode would see none of the compiled ops."""
     from torch.nn.modules import module as nn_module
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     if _get_current_dispatch_mode() is not None or nn_module._global_forward_hooks \
             or nn_module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "weight_function", None)
-               or getattr(m, "bias_function", None) for m in block.modules())
+    return any(m._forward_hooks or m._forward_pre_hooks for m in block.modules()) or _weights_managed_per_forward(
+        block)
+
+
+_logged_managed_weights = False
+
+
+def _weights_managed_per_forward(block: torch.nn.Module) -> bool:
+    global _logged_managed_weights
+    managed = any(has_weight_patches(m) or uses_vbar_cast(m) for m in block.modules())
+    if managed and not _logged_managed_weights:
+        _logged_managed_weights = True
+        log.info("int8-accel compile: blocks whose weights ComfyUI streams (dynamic VRAM) or patches per forward "
+                 "(LoRA on offloaded layers) run eagerly; the other blocks stay compiled")
+    return managed
 
 
 _logged_eager_transformers = False

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...kernels import weight_stamp
-from ..layers import patches_in_forward
+from ..comfy_contracts import patches_in_forward
 
 # Checked on every call: a strided sample catches ComfyUI's whole-tensor rewrites (LoRA patching, restores made
 # with `param.data.copy_()`, which bump no version counter) at a negligible cost.

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ..layers import layer_kind, patches_in_forward
+from ..comfy_contracts import patches_in_forward
+from ..layers import layer_kind
 from .prepack import conv_prepacked, linear_prepacked, prepackable
 from .regions import CompiledRegion
 

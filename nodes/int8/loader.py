@@ -26,6 +26,7 @@ import comfy.utils
 import torch
 
 from ...kernels import weight_qmax
+from ..comfy_contracts import loader_accepts_disable_dynamic, set_cached_patcher_init
 from ..layers import layer_kind
 from .checkpoint import int8_layer_names, read_int8_layer
 from .modules import Int8Conv2d, Int8Linear, _Int8Layer, refresh_int8_weights
@@ -199,11 +200,12 @@ def _refresh_after_weight_writes(patcher, *args, **kwargs) -> None:
 
 
 def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
-                         model_options: dict | None = None):
+                         model_options: dict | None = None, disable_dynamic: bool = False):
     """A ModelPatcher for a diffusion-model state dict in ComfyUI's INT8 format (plain float files load too).
 
     The model takes `sd`'s tensors as its own where their dtype and device already match (no copy), and ComfyUI's
     loading empties `sd` as it goes, so the caller should not reuse it.
+    `disable_dynamic` asks a ComfyUI with dynamic VRAM for its plain ModelPatcher (ignored by one without).
     Raises ValueError when the model type is not recognised, or when an INT8 entry of the file belongs to no
     Linear/Conv2d layer of the model (its int8 values would otherwise be used without their scale)."""
     stored = {}  # the small entries of every INT8 layer, for layers the ops do not build
@@ -215,6 +217,8 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
     extra = {}
     if "metadata" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters:  # newer ComfyUI only
         extra["metadata"] = dict(metadata) if metadata else None
+    if disable_dynamic and loader_accepts_disable_dynamic():
+        extra["disable_dynamic"] = True
     patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, **extra)
     if patcher is None:
         raise ValueError("could not detect the model type of this diffusion-model state dict")
@@ -232,10 +236,19 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
     return patcher
 
 
-def load_int8_diffusion_model(path: str, model_options: dict | None = None):
-    """(ModelPatcher, metadata) for a `.safetensors` diffusion model in ComfyUI's INT8 format."""
+def load_int8_diffusion_model(path: str, model_options: dict | None = None, disable_dynamic: bool = False):
+    """(ModelPatcher, metadata) for a `.safetensors` diffusion model in ComfyUI's INT8 format. The patcher can be
+    rebuilt by ComfyUI (`cached_patcher_init`, as its own loaders set it) for `clone(disable_dynamic=True)`
+    (conditioning hooks) and MultiGPU clones."""
     sd, metadata = comfy.utils.load_torch_file(path, return_metadata=True)
     try:
-        return load_int8_state_dict(sd, metadata, model_options), metadata or {}
+        patcher = load_int8_state_dict(sd, metadata, model_options, disable_dynamic)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
+    set_cached_patcher_init(patcher, load_int8_model_patcher, (path, model_options))
+    return patcher, metadata or {}
+
+
+def load_int8_model_patcher(path: str, model_options: dict | None = None, disable_dynamic: bool = False):
+    """The `cached_patcher_init` factory: a fresh patcher for the same file and options."""
+    return load_int8_diffusion_model(path, model_options, disable_dynamic)[0]

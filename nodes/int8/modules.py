@@ -20,15 +20,19 @@ from ...kernels import (
     weight_changed,
     weight_qmax,
 )
-from ..layers import layer_kind, patches_in_forward
+from ..comfy_contracts import has_weight_patches, patched_parameter, patches_in_forward
+from ..layers import layer_kind
 
 
 def effective_weight_and_bias(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias a float layer computes with right now, LoRA included (also in low-VRAM mode,
-    where ComfyUI keeps the LoRA in `weight_function` and applies it per forward)."""
+    """The weight and bias a float layer computes with right now, LoRA included (also where ComfyUI applies the
+    LoRA per forward: low-VRAM `weight_function`, dynamic-VRAM `weight_lowvram_function`). Not through
+    `comfy.ops.cast_bias_weight`: older releases do not know the dynamic-VRAM patch, and newer ones skip it for a
+    streamed layer cast to the CPU."""
     if patches_in_forward(module):
-        weight, bias = comfy.ops.cast_bias_weight(module, dtype=torch.float32, device=module.weight.device)
-        return weight.detach(), None if bias is None else bias.detach()
+        weight = patched_parameter(module, "weight", module.weight).float()
+        bias = patched_parameter(module, "bias", module.bias)
+        return weight.detach(), None if bias is None else bias.float().detach()
     return module.weight.detach(), None if module.bias is None else module.bias.detach()
 
 
@@ -70,7 +74,11 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         return self.weight_scale.to(like.device, torch.float32).view(-1, *([1] * (like.ndim - 1)))
 
     def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **kwargs) -> torch.Tensor:
-        """ModelPatcher hands us the int8 weight cast to float: return it in real units."""
+        """ModelPatcher hands us the stored weight, usually cast to float: return it in real units (float). Dynamic
+        VRAM force-loads small layers with the int8 weight itself and `inplace=True`, which no int8 tensor can
+        take: that one gets a float copy."""
+        if not weight.is_floating_point():
+            weight, inplace = weight.to(torch.float32), True
         if inplace:
             return weight.mul_(self._scale_view(weight))
         return weight * self._scale_view(weight)
@@ -100,23 +108,18 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         self._buffers["weight_scale"] = scale.to(self.weight.device)
         return None
 
+    def _real_units(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self._scale_view(weight)
+
     def _float_weight_for_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Low-VRAM path: ComfyUI left this layer offloaded with LoRA in weight_function. As in ComfyUI's own
-        cast, the patches receive the stored weight: ModelPatcher's low-VRAM patch turns it into real units
-        through `convert_weight` itself, so only an unpatched weight is scaled here."""
-        weight = self.weight.to(x.device).float()
-        if self.weight_function:
-            for fn in self.weight_function:
-                weight = fn(weight)
-        else:
-            weight = weight * self._scale_view(weight)
-        bias = None if self.bias is None else self.bias.to(x.device, x.dtype)
-        for fn in self.bias_function:
-            bias = fn(bias)
-        return weight.to(x.dtype), bias
+        """ComfyUI left LoRA (or weight wrappers) on this layer to apply per forward, in whichever form the running
+        ComfyUI uses (see `comfy_contracts.patched_parameter`): each gets the weight in the units it expects."""
+        weight = patched_parameter(self, "weight", self.weight.to(x.device), self._real_units)
+        bias = patched_parameter(self, "bias", None if self.bias is None else self.bias.to(x.device))
+        return weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
 
     def _needs_float_path(self) -> bool:
-        return bool(self.weight_function or self.bias_function)
+        return has_weight_patches(self)
 
     def _quantized_args(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.weight.device != x.device:  # offloaded (comfy_cast_weights): move just for this call
@@ -126,6 +129,11 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
 
 
 class Int8Linear(_Int8Layer):
+    # ComfyUI's fused `comfy.ops.linear_input_act` (0.38) feeds a weight that is not its own QuantizedTensor to an
+    # fp16-accumulate GEMM through `cast_bias_weight` (int8 values without their scale) unless the layer asks for
+    # full-precision matmul; then it calls the layer, which runs its INT8 kernels.
+    _full_precision_mm = True
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, qmax: int | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape

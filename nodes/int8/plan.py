@@ -48,8 +48,13 @@ def find_candidates(diffusion_model: torch.nn.Module) -> dict[str, tuple[str, st
     for path, module in diffusion_model.named_modules():
         kind = is_quantizable(module)
         if kind is not None:
-            found[path.replace("_orig_mod.", "").replace("._orig_mod", "")] = (path, kind)
+            found[canonical_name(path)] = (path, kind)
     return found
+
+
+def canonical_name(path: str) -> str:
+    """`path` without torch.compile's `_orig_mod` hops, as in the state dict of the uncompiled model."""
+    return path.replace("_orig_mod.", "").replace("._orig_mod", "")
 
 
 @contextlib.contextmanager

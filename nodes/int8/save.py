@@ -1,8 +1,9 @@
 """Saving a quantized MODEL as an INT8 checkpoint in ComfyUI's INT8 format (see `checkpoint.py`).
 
-The layers written in INT8 are the ones the model's INT8 plan chose at calibration; they are quantized the way
-the plan quantizes them (`Int8Plan._quantize_layer`), from the model's float weights: the original ones, or with
-the model's LoRA/weight patches baked in when asked. Everything else is written as it is.
+The layers written in INT8 are the ones the model's INT8 plan chose at calibration, quantized per output channel for
+the weight width of the model's load device, from the model's float weights: the original ones, or with the
+model's LoRA/weight patches merged in when asked (computed here, never by asking ComfyUI to patch the model, which
+dynamic VRAM refuses). Everything else is written as it is.
 """
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import uuid
 
-import comfy.model_management
 import comfy.utils
 import torch
 
-from ...kernels import weight_bits
+from ...kernels import weight_bits, weight_qmax
+from ..comfy_contracts import merged_state_dict
 from . import int8_plan
 from .checkpoint import int8_metadata, int8_state_dict
-from .plan import Int8Plan, find_candidates, unwrap_compiled
+from .modules import Int8Conv2d, Int8Linear
+from .plan import Int8Plan, canonical_name, find_candidates, unwrap_compiled
 
 log = logging.getLogger("int8_accel.int8")
 NOT_QUANTIZED = "this model did not go through Quantize Model (INT8): connect the Quantize node's model output"
@@ -37,38 +38,43 @@ def _calibration_result(plan: Int8Plan):
     return next(reversed(plan.results.values()), None)
 
 
-def _weights_patcher(model, bake_lora: bool):
-    """A patcher whose live diffusion-model weights are the ones to save, loaded with its patches applied."""
-    patcher = model
-    if not bake_lora:
-        patcher = model.clone()
-        patcher.patches = {}
-        patcher.patches_uuid = uuid.uuid4()
-    comfy.model_management.load_models_gpu([patcher], force_patch_weights=True)
-    return patcher
+def _int8_layer(module: torch.nn.Module, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                qmax: int) -> torch.nn.Module:
+    """The INT8 layer of `module`'s geometry holding `weight` / `bias` (the weights to save, not the live ones)."""
+    with torch.inference_mode(False), torch.no_grad():
+        if kind == "linear":
+            layer = Int8Linear(weight, bias, qmax)
+        else:
+            layer = Int8Conv2d(weight, bias, module.stride, module.padding, module.dilation, module.groups, qmax)
+    layer.compute_dtype = module.weight.dtype
+    return layer
 
 
 def int8_checkpoint(model, bake_lora: bool = False,
                     after_sampling: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(state dict, safetensors metadata) of `model`'s diffusion model with its chosen layers in INT8.
-    `after_sampling`: a sampler's output was wired in to run this after it (only changes the error message)."""
+    `after_sampling`: a sampler's output was wired in to run this after it (only changes the error message).
+
+    The weights are the model's originals, with its LoRA/weight patches merged in here when `bake_lora`, whatever
+    the patcher and whatever ComfyUI has loaded (see `comfy_contracts.merged_state_dict`)."""
     plan = int8_plan(model)
     if plan is None:
         raise ValueError(NOT_QUANTIZED)
     result = _calibration_result(plan)
     if result is None:
         raise ValueError(SAMPLED_ANOTHER_MODEL if after_sampling else NOT_CALIBRATED)
-    patcher = _weights_patcher(model, bake_lora)
-    root = unwrap_compiled(patcher.model.diffusion_model)
+    weights = {canonical_name(key): value for key, value in merged_state_dict(model, apply_patches=bake_lora).items()}
+    root = unwrap_compiled(model.model.diffusion_model)
     candidates = find_candidates(root)
+    device = model.load_device
     layers = {}
     for name in result.chosen:
         if name in candidates:
             path, kind = candidates[name]
-            layers[name] = Int8Plan._quantize_layer(root.get_submodule(path), kind)
+            layers[name] = _int8_layer(root.get_submodule(path), kind, weights[f"{name}.weight"],
+                                       weights.get(f"{name}.bias"), weight_qmax(device))
     with torch.no_grad():
-        sd = int8_state_dict(root.state_dict().items(), layers)
-    device = next(iter(layers.values())).weight.device if layers else torch.device("cpu")
+        sd = int8_state_dict(weights.items(), layers)
     kinds = [candidates[name][1] for name in layers]
     metadata = int8_metadata(dataclasses.asdict(plan.settings), plan.last_report or None,
                              weight_bits=weight_bits(device), bake_lora=str(bool(bake_lora)).lower(),

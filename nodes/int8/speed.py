@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comfy_contracts import patches_in_forward
+
 REPETITIONS = 3
 
 
@@ -53,7 +55,7 @@ def call_signature(kind: str, module: torch.nn.Module, x: torch.Tensor) -> tuple
     geometry = ()
     if kind == "conv":
         geometry = (tuple(module.stride), tuple(module.padding), tuple(module.dilation), module.groups)
-    patched = bool(getattr(module, "weight_function", None)) or bool(getattr(module, "comfy_cast_weights", False))
+    patched = patches_in_forward(module)
     return (kind, tuple(x.shape), str(x.dtype), str(x.device), tuple(module.weight.shape), str(module.weight.dtype),
             module.bias is not None, patched, geometry)
 
