@@ -44,6 +44,11 @@ def _copy_bytes(plan) -> int:
     return sum(int8_module_bytes(module) for module in plan._modules.values())
 
 
+def offloaded(module: torch.nn.Module) -> bool:
+    """ModelPatcher marks a float layer it left in system memory (low-VRAM load, partial unload) so."""
+    return hasattr(module, "prev_comfy_cast_weights")
+
+
 def test_model_size_and_loaded_memory_count_the_int8_copies(comfy_root, quant, weight_width):
     import comfy.model_management
 
@@ -66,7 +71,6 @@ def test_partially_unload_frees_the_int8_copies_of_the_layers_it_offloads(comfy_
     import comfy.model_management
 
     from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
-    from comfyui_int8_accel.nodes.int8.residency import offloaded
 
     base = build_tiny_model("sd15")
     out, plan = _quantized(quant, base)
@@ -101,11 +105,11 @@ def test_partially_unload_frees_the_int8_copies_of_the_layers_it_offloads(comfy_
 def test_low_vram_load_computes_what_a_full_load_computes(comfy_root, quant, weight_width):
     """A load with a budget smaller than the model (ModelPatcher.patch_model with lowvram_model_memory, what
     ComfyUI's lowvram mode does; on a CPU load device ComfyUI itself always loads in full) gives the model output
-    of a full load, in INT8; only the copies of the layers it kept loaded count as loaded memory."""
+    of a full load, in INT8; the INT8 copies live on the computing device, offloaded float layer or not, and count
+    as loaded memory on top of what ComfyUI counts for the float layers it loaded."""
     import comfy.model_management
 
     from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
-    from comfyui_int8_accel.nodes.int8.residency import offloaded
 
     base = build_tiny_model("sd15")
     out, plan = _quantized(quant, base)
@@ -128,8 +132,10 @@ def test_low_vram_load_computes_what_a_full_load_computes(comfy_root, quant, wei
             patcher.unpatch_model(device_to=torch.device("cpu"))
 
     def resident_and_moved():
-        resident = [name for name in plan._modules if not offloaded(root.get_submodule(candidates[name][0]))]
-        return sum(int8_module_bytes(plan._modules[name]) for name in resident), len(plan._modules) - len(resident)
+        """(bytes of the INT8 copies on the device the model is loaded to, copies whose float layer is offloaded)"""
+        on_device = [module for module in plan._modules.values() if module.weight.device == out.model.device]
+        moved = [name for name in plan._modules if offloaded(root.get_submodule(candidates[name][0]))]
+        return sum(int8_module_bytes(module) for module in on_device), len(moved)
 
     budget = float_size // 2
     float_low_loaded = run(base.clone(), budget)[1]  # ComfyUI's own count for the float model
@@ -140,3 +146,86 @@ def test_low_vram_load_computes_what_a_full_load_computes(comfy_root, quant, wei
     assert full_moved == 0 and full_loaded == float_size + full_resident
     assert low_moved > 0 and low_loaded == float_low_loaded + low_resident
     assert torch.allclose(low_vram, full, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_copies_take_width_and_place_from_the_device_that_computes(comfy_root, quant, monkeypatch):
+    """A GPU host whose CPU has no VNNI: ComfyUI keeps offloaded float layers in system memory (7-bit weights
+    there), the layers compute on a device whose backend takes 8-bit weights. Emulated on the CPU with the meta
+    device as the computing device (its backend, the reference one, takes 8 bits)."""
+    from comfyui_int8_accel.kernels import backend_for, weight_bits
+    from comfyui_int8_accel.kernels import quant as kernel_quant
+    from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
+
+    monkeypatch.delenv("INT8_ACCEL_WEIGHT_BITS", raising=False)
+    monkeypatch.setattr(kernel_quant, "cpu_has_int8_dot_product", lambda: False)
+    assert backend_for("cpu") == "cpu" and weight_bits("cpu") == 7 and weight_bits("meta") == 8
+    base = build_tiny_model("sd15")
+    out, plan = _quantized(quant, base)
+    out.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)  # every float layer offloaded
+    builds = []
+    quantize_layer = Int8Plan._quantize_layer
+
+    def counted(module, kind, qmax=None):
+        builds.append(module)
+        return quantize_layer(module, kind, qmax)
+
+    monkeypatch.setattr(Int8Plan, "_quantize_layer", staticmethod(counted))
+    try:
+        names = list(find_candidates(out.model.diffusion_model))
+        first = plan._int8_modules(out.model, names, torch.device("meta"))
+        assert len(first) == len(names) == len(builds)
+        assert all(layer.qmax == 127 and layer.weight.device.type == "meta" for layer in first.values())
+        again = plan._int8_modules(out.model, names, torch.device("meta"))  # the next call: no requantization
+        assert len(builds) == len(names) and all(again[path] is first[path] for path in first)
+        on_cpu = plan._int8_modules(out.model, names[:3], torch.device("cpu"))  # computing moved: rebuilt there
+        assert len(builds) == len(names) + 3 and all(layer.qmax == 63 for layer in on_cpu.values())
+    finally:
+        out.unpatch_model(device_to=torch.device("cpu"))
+
+
+def test_dynamic_vram_load_keeps_the_int8_copies_resident_counted_and_freed_on_unload(comfy_root, quant,
+                                                                                      monkeypatch):
+    """ComfyUI 0.38's ModelPatcherDynamic (comfy/model_patcher.py: ModelPatcherDynamic.load and .unpatch_model) keeps
+    the float weights in system memory and streams them per layer; each load gives every layer fresh function lists
+    (`setup_param`: `bias_function` = the weight wrappers only) with `comfy_cast_weights` set, then runs the ON_LOAD
+    callbacks; its unpatch_model calls `move_weight_functions` on every module. Emulated on 0.3.75's plain patcher
+    with the meta device as the GPU: the INT8 copies live on the computing device with its weight width, count once
+    in the loaded memory across loads, and a full unpatch frees them all."""
+    import comfy.model_patcher
+    from comfy.patcher_extension import CallbacksMP
+
+    from comfyui_int8_accel.kernels import quant as kernel_quant
+    from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
+
+    monkeypatch.delenv("INT8_ACCEL_WEIGHT_BITS", raising=False)
+    monkeypatch.setattr(kernel_quant, "cpu_has_int8_dot_product", lambda: False)  # 7-bit weights on this "host"
+    base = build_tiny_model("sd15")
+    out, plan = _quantized(quant, base)
+    gpu = torch.device("meta")
+
+    def dynamic_load():
+        for module in out.model.modules():
+            if hasattr(module, "comfy_cast_weights"):
+                module.comfy_cast_weights = True
+                module.weight_function, module.bias_function = [], []
+        out.model.device, out.model.model_loaded_weight_memory = gpu, 0
+        out.model.current_weight_patches_uuid = out.patches_uuid
+        for callback in out.get_all_callbacks(CallbacksMP.ON_LOAD):
+            callback(out, gpu, 0, False, False)
+
+    names = list(find_candidates(out.model.diffusion_model))
+    dynamic_load()
+    copies = plan._int8_modules(out.model, names, gpu)
+    int8_bytes = sum(int8_module_bytes(layer) for layer in copies.values())
+    assert all(layer.weight.device == gpu and layer.qmax == 127 for layer in copies.values())
+    assert all(p.device.type == "cpu" for p in out.model.diffusion_model.parameters())  # float stays in RAM
+    assert out.model.model_loaded_weight_memory == int8_bytes
+
+    dynamic_load()  # the next prompt's load: the copies stay, tied to their layers again, counted once
+    assert out.model.model_loaded_weight_memory == int8_bytes
+    again = plan._int8_modules(out.model, names, gpu)
+    assert all(again[path] is copies[path] for path in copies) and out.model.model_loaded_weight_memory == int8_bytes
+
+    freed = sum(comfy.model_patcher.move_weight_functions(module, torch.device("cpu"))
+                for module in out.model.modules())
+    assert freed == int8_bytes and not plan._modules

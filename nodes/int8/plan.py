@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Iterator
 
+import comfy.model_management
 import comfy.patcher_extension
 import comfy.utils
 import torch
@@ -30,7 +31,7 @@ from .cache import load_last_report, load_result, save_result
 from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
 from .modules import Int8Conv2d, Int8Linear, is_quantizable
 from .report import format_report
-from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, marker_of, offloaded
+from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
 from .settings import QuantizeSettings
 from .speed import call_signature, speed_gate_enabled, time_float_and_int8
 
@@ -177,21 +178,28 @@ class Int8Plan:
                 continue
             path, kind = candidates[name]
             float_module = root.get_submodule(path)
-            marker = marker_of(float_module, name)
-            layer = self._placed_copy(name, float_module, marker)
+            layer = self._placed_copy(name, device)
             if layer is None:
-                layer = self._modules[name] = self._quantize_layer(float_module, kind, weight_qmax(device))
-            self._track(base_model, name, float_module, layer, marker)
+                layer = self._modules[name] = self._copy_for_device(float_module, kind, device)
+            self._track(base_model, name, float_module, layer)
             out[path] = layer
         return out
 
-    def _placed_copy(self, name: str, float_module: torch.nn.Module, marker: Int8CopyMarker | None):
-        """The INT8 copy of `name` if it still belongs where its float layer is (None: build it). A load that moved
-        the float layer (offloaded it, or brought it back) without telling the marker leaves a misplaced copy."""
+    def _placed_copy(self, name: str, device: torch.device | None):
+        """The INT8 copy of `name` if it is on the computing `device` (else None: it is built there)."""
         layer = self._modules.get(name)
-        if layer is not None and marker is None and layer.weight.device != float_module.weight.device:
+        if layer is not None and device is not None and not is_on(layer.weight, device):
             self._release(name)
             return None
+        return layer
+
+    def _copy_for_device(self, float_module: torch.nn.Module, kind: str, device: torch.device) -> torch.nn.Module:
+        """The INT8 copy of a float layer, with the weight width of the backend that computes on `device`, kept on
+        `device` even when ComfyUI keeps the float layer offloaded: derived forms (padded rows, column sums) are
+        then built once, for a copy that stays, instead of per call from a temporary transfer."""
+        layer = self._quantize_layer(float_module, kind, weight_qmax(device))
+        if not is_on(layer.weight, device):
+            layer = layer.to(device, non_blocking=comfy.model_management.device_supports_non_blocking(device))
         return layer
 
     def on_load(self, patcher, device_to, lowvram_model_memory, force_patch_weights, full_load) -> None:
@@ -207,23 +215,22 @@ class Int8Plan:
         for name in list(self._modules):
             if name not in candidates:
                 continue
-            float_module = root.get_submodule(candidates[name][0])
-            marker = marker_of(float_module, name)
-            layer = self._placed_copy(name, float_module, marker)
+            layer = self._placed_copy(name, device_to if device_to is not None else base_model.device)
             if layer is not None:
-                self._track(base_model, name, float_module, layer, marker)
+                self._track(base_model, name, root.get_submodule(candidates[name][0]), layer)
 
-    def _track(self, base_model, name: str, float_module: torch.nn.Module, layer: torch.nn.Module,
-               marker: Int8CopyMarker | None) -> None:
-        """Put the layer's marker into its float layer's `bias_function` and count a copy that lives with a loaded
-        layer in the model's loaded memory (the copy of an offloaded layer lives in system memory)."""
+    def _track(self, base_model, name: str, float_module: torch.nn.Module, layer: torch.nn.Module) -> None:
+        """Put the layer's marker into its float layer's `bias_function` and count a copy on the device ComfyUI
+        loads the model to in the model's loaded memory, offloaded float layer or not."""
         if not hasattr(float_module, "bias_function"):
             return  # not one of ComfyUI's op classes: ModelPatcher neither counts nor offloads it
+        marker = marker_of(float_module, name)
         if marker is None:
             marker = Int8CopyMarker(name, self._release)
             float_module.bias_function = [*float_module.bias_function, marker]  # a new list: never the class's
         self._markers[name] = marker
-        if marker.counted_bytes == 0 and not offloaded(float_module):
+        loaded_to = getattr(base_model, "device", None)
+        if marker.counted_bytes == 0 and loaded_to is not None and is_on(layer.weight, loaded_to):
             marker.counted_bytes = int8_module_bytes(layer)
             base_model.model_loaded_weight_memory = getattr(base_model, "model_loaded_weight_memory", 0) + \
                 marker.counted_bytes
@@ -305,7 +312,7 @@ class Int8Plan:
                 # One layer at a time: only a layer that passes the kind and density gates is quantized, and its
                 # INT8 copy is kept only if it passes the error gate too.
                 if self.settings.kind_enabled(kind) and row.density >= self.settings.compute_density_threshold:
-                    layer = self._modules.pop(name, None) or self._quantize_layer(module, kind, weight_qmax(x.device))
+                    layer = self._modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
                     memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
                     row.error = normalized_mse(layer(x), output)
                     if gate and decide(row, self.settings) == "int8":

@@ -43,10 +43,10 @@ def marker_of(module: torch.nn.Module, name: str) -> Int8CopyMarker | None:
     return None
 
 
-def offloaded(module: torch.nn.Module) -> bool:
-    """True when ModelPatcher left this float layer in system memory (low-VRAM load or partial unload): it marks
-    such layers with `prev_comfy_cast_weights` and casts their weights to the computing device per call."""
-    return hasattr(module, "prev_comfy_cast_weights")
+def is_on(tensor: torch.Tensor, device: torch.device | str) -> bool:
+    """Whether `tensor` is on `device`; a device without an index ("cuda") means any of its type."""
+    device = torch.device(device)
+    return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
 
 
 def int8_copy_bytes(module: torch.nn.Module) -> int:
