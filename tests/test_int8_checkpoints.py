@@ -365,8 +365,11 @@ def test_save_node_declares_its_inputs(pack):
     assert pack.NODE_DISPLAY_NAME_MAPPINGS["Int8AccelSaveModel"] == "Save INT8 Model"
     spec = node.INPUT_TYPES()
     required, optional = spec["required"], spec["optional"]
-    assert list(required) == ["model", "filename_prefix", "bake_lora"]
+    assert list(required) == ["model", "filename_prefix", "bake_lora", "int8_layers"]
     assert required["filename_prefix"][1]["default"] == "int8/diffusion_model"
+    assert required["int8_layers"][1]["options"] == ["every accurate layer (smallest file)", "only layers faster in INT8"]
+    assert required["int8_layers"][1]["default"] == "every accurate layer (smallest file)"  # a file for memory
+    assert "int8_layers='all' is not one of" in node.validate_inputs(int8_layers="all")
     assert required["bake_lora"][0] == "BOOLEAN" and required["bake_lora"][1]["default"] is False
     # a sampler's LATENT output, only to make ComfyUI run the save after that sampler (it runs output nodes first)
     assert list(optional) == ["after_sampling"] and optional["after_sampling"][0] == "LATENT"
@@ -391,6 +394,47 @@ def test_save_needs_a_quantized_calibrated_model(pack, models_dir):
         save_node.execute(model=quantized, filename_prefix="int8/tiny", bake_lora=False,
                           after_sampling={"samples": torch.zeros(1, 4, 8, 8)})
     assert not list(models_dir.rglob("*.safetensors"))
+
+
+def test_save_writes_every_accurate_layer_by_default_and_only_the_faster_ones_on_request(pack, models_dir,
+                                                                                       monkeypatch):
+    """With the speed gate on and layers that run faster in float, the default file still holds every layer within
+    the error thresholds in INT8 (a file for memory); the other choice holds only the layers the gate kept."""
+    import os
+
+    from safetensors import safe_open
+
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+    from comfyui_int8_accel.nodes.int8 import plan as plan_module
+    from comfyui_int8_accel.nodes.int8.save import FASTER_ONLY, SMALLEST_FILE, save_int8_model
+    from comfyui_int8_accel.nodes.int8.speed import Timing
+
+    monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "1")
+    first = iter([Timing(float_seconds=2.0, int8_seconds=1.0)])  # one call signature faster in INT8, others not
+    monkeypatch.setattr(plan_module, "time_float_and_int8",
+                        lambda *args, **kwargs: next(first, Timing(float_seconds=1.0, int8_seconds=2.0)))
+    quantized = apply_int8(build_tiny_model("sd15"), settings_from_widgets(**ALL_INT8))[0]
+    sample(quantized, "sd15", steps=2)
+    result = int8_plan(quantized).last_result
+    kept, accurate = set(result.chosen), set(result.within_thresholds)
+    assert kept and kept < accurate
+    assert all(layer.decision == "float: slower in INT8" for layer in result.layers if layer.name in accurate - kept)
+
+    def int8_layers_of(path) -> tuple[set[str], dict]:
+        with safe_open(str(path), "pt") as file:
+            return {key.rsplit(".", 1)[0] for key in file.keys() if key.endswith(".comfy_quant")}, file.metadata()
+
+    smallest_path = save_int8_model(quantized, "int8/smallest")
+    faster_path = save_int8_model(quantized, "int8/faster", int8_layers=FASTER_ONLY)
+    smallest, smallest_meta = int8_layers_of(smallest_path)
+    faster, faster_meta = int8_layers_of(faster_path)
+    assert smallest == accurate and faster == kept
+    assert smallest_meta["int8_accel.int8_layers"] == SMALLEST_FILE and faster_meta["int8_accel.int8_layers"] == FASTER_ONLY
+    counts = [int(smallest_meta[f"int8_accel.int8_{kind}"]) for kind in ("linear", "conv")]
+    assert sum(counts) == len(accurate)
+    assert os.path.getsize(smallest_path) < os.path.getsize(faster_path)
+    with pytest.raises(ValueError, match="int8_layers='some' is not one of"):
+        save_int8_model(quantized, "int8/bad", int8_layers="some")
 
 
 def test_save_then_load_round_trip_with_and_without_lora(pack, models_dir, monkeypatch):

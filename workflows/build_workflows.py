@@ -67,7 +67,7 @@ WIDGETS: dict[str, list[str]] = {
                           "compute_density_threshold"],
     "Int8AccelDeepCache": ["cache_interval", "cache_depth", "start_percent", "end_percent"],
     "Int8AccelCompile": ["backend", "mode", "dynamic", "fullgraph"],
-    "Int8AccelSaveModel": ["filename_prefix", "bake_lora"],
+    "Int8AccelSaveModel": ["filename_prefix", "bake_lora", "int8_layers"],
     "Int8AccelLoadModel": ["unet_name"],
     "PreviewAny": [],  # its text box is filled by the run and not saved
     "UNETLoader": ["unet_name", "weight_dtype"],
@@ -392,9 +392,12 @@ def sd15_int8_save() -> Workflow:
         f"The file goes to ComfyUI's diffusion-model folder (models/unet/ in a default install): {INT8_FILE} on "
         "the first run, a higher number each time the save runs again. It does whenever the sampler re-runs, "
         "which includes the second queue after a new calibration (the Quantize node then refreshes its report): "
-        "bypass the save node (Ctrl+B) once you have the file. It holds the chosen layers as int8 weight + "
+        "bypass the save node (Ctrl+B) once you have the file. It holds the layers int8_layers picks as int8 weight + "
         "weight_scale + comfy_quant (ComfyUI's INT8 format), the other layers as they are, and the settings and "
-        "report in its metadata. bake_lora off writes the weights without the model's LoRA.\n\n"
+        "report in its metadata. bake_lora off writes the weights without the model's LoRA. int8_layers 'every "
+        "accurate layer (smallest file)' writes every layer within the error thresholds in INT8, also those the "
+        "speed gate kept in float on this machine (a file for memory); 'only layers faster in INT8' writes just "
+        "the layers that ran faster in INT8 here.\n\n"
         + WHEN_TO_SAVE + "\n\n"
         f"Checkpoint: {SD15} is the random-weight test model; pick your own SD1.5 checkpoint."
         + _settings_note("sd15", SIZE)))
@@ -405,8 +408,8 @@ def sd15_int8_save() -> Workflow:
         return (made["quant"], 0)
 
     sampler = _text_to_image(wf, SD15, chain, SIZE, SIZE, 4, 7.0, "int8accel/sd15_int8_save")
-    wf.add("Int8AccelSaveModel", (840, 560), (315, 130), filename_prefix=INT8_FILE_PREFIX, bake_lora=False,
-           model=(made["quant"], 0), after_sampling=(sampler, 0))
+    wf.add("Int8AccelSaveModel", (840, 560), (315, 154), filename_prefix=INT8_FILE_PREFIX, bake_lora=False,
+           int8_layers="every accurate layer (smallest file)", model=(made["quant"], 0), after_sampling=(sampler, 0))
     _report(wf, made["quant"], (380, 760))
     return wf
 

@@ -15,6 +15,7 @@ from .settings import QuantizeSettings
 from .speed import speed_gate_enabled
 
 CACHE_FORMAT_VERSION = 3
+SLOWER_IN_INT8 = "float: slower in INT8"
 _SAMPLE_WORDS = 256
 
 
@@ -40,6 +41,11 @@ class LayerMeasurement:
     def quantized(self) -> bool:
         return self.decision == "int8"
 
+    @property
+    def within_thresholds(self) -> bool:
+        """Passed the kind, density and error gates: in INT8 now, or kept in float by the speed gate alone."""
+        return self.decision in ("int8", SLOWER_IN_INT8)
+
 
 @dataclass
 class CalibrationResult:
@@ -57,6 +63,11 @@ class CalibrationResult:
     @property
     def chosen(self) -> list[str]:
         return [layer.name for layer in self.layers if layer.quantized]
+
+    @property
+    def within_thresholds(self) -> list[str]:
+        """Every layer accurate enough in INT8, including those the speed gate kept in float on this machine."""
+        return [layer.name for layer in self.layers if layer.within_thresholds]
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -81,7 +92,7 @@ def decide(layer: LayerMeasurement, settings: QuantizeSettings) -> str:
     if layer.error is None or layer.error > settings.threshold_for(layer.kind):
         return "float: error above threshold"
     if layer.float_ms is not None and layer.int8_ms is not None and layer.int8_ms >= layer.float_ms:
-        return "float: slower in INT8"
+        return SLOWER_IN_INT8
     return "int8"
 
 

@@ -122,9 +122,12 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         return has_weight_patches(self)
 
     def _quantized_args(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if self.weight.device != x.device:  # offloaded (comfy_cast_weights): move just for this call
-            return (self.weight.to(x.device), self.weight_scale.to(x.device),
-                    None if self.bias is None else self.bias.to(x.device))
+        if self.weight.device != x.device:
+            # A loaded INT8 layer ComfyUI keeps offloaded: stream its int8 bytes for this call, as ComfyUI streams
+            # its own offloaded layers (it pins their memory, so the copy does not wait for the host). Keeping a
+            # device copy would hold VRAM that ComfyUI counts as free.
+            return tuple(None if t is None else t.to(x.device, non_blocking=True)
+                         for t in (self.weight, self.weight_scale, self.bias))
         return self.weight, self.weight_scale, self.bias
 
 

@@ -19,17 +19,19 @@ import logging
 import time
 from collections.abc import Iterator
 
+import comfy.model_management
 import comfy.patcher_extension
 import comfy.utils
 import torch
 
-from ...kernels import backend_for, compute_density, normalized_mse, record_calls, release_packed_weight
+from ...kernels import backend_for, compute_density, normalized_mse, record_calls, release_packed_weight, weight_qmax
 from ..page import show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_report, load_result, save_result
 from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
 from .modules import Int8Conv2d, Int8Linear, is_quantizable
 from .report import format_report
+from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
 from .settings import QuantizeSettings
 from .speed import call_signature, speed_gate_enabled, time_float_and_int8
 
@@ -97,12 +99,15 @@ class Int8Plan:
         self._fingerprints: dict[tuple, str] = {}
         self._modules_state: tuple | None = None
         self._modules: dict[str, torch.nn.Module] = {}
+        self._markers: dict[str, Int8CopyMarker] = {}
+        self._float_sizes: dict[int, int] = {}
 
     # --- wiring ----------------------------------------------------------------------------------
     def attach(self, patcher) -> None:
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, self.outer_sample)
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY, self.apply_model)
         patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, WRAPPER_KEY, self.on_detach)
+        patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, WRAPPER_KEY, self.on_load)
 
     def on_detach(self, patcher, unpatch_all: bool = True) -> None:
         """ComfyUI unloaded the model: drop its INT8 modules too (rebuilt from the live weights when it runs).
@@ -114,6 +119,8 @@ class Int8Plan:
             return
         for module in self._modules.values():
             release_packed_weight(module.weight)
+        for marker in self._markers.values():  # unpatch_model zeroed the model's loaded memory
+            marker.counted_bytes = 0
         self._modules, self._modules_state = {}, None
 
     def fingerprint(self, patcher) -> str:
@@ -136,6 +143,8 @@ class Int8Plan:
     # --- wrappers ----------------------------------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):
         guider = executor.class_obj
+        if self.last_result is not None:  # before ComfyUI loads the model: plan the load with the INT8 copies
+            self._report_size(guider.model_patcher, self.last_result.chosen)
         previous = self._run_fingerprint
         self._run_fingerprint = self.fingerprint(guider.model_patcher)
         try:
@@ -157,12 +166,15 @@ class Int8Plan:
                 self._publish(result, base_model, fingerprint, save=False)
         if result is None:
             return self._calibrate(executor, base_model, args, kwargs, key, fingerprint)
-        replacements = self._int8_modules(base_model, result.chosen)
+        self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
+        replacements = self._int8_modules(base_model, result.chosen, x.device)
         with swapped_modules(base_model.diffusion_model, replacements):
             return executor(*args, **kwargs)
 
     # --- INT8 modules, rebuilt whenever the live weights change ----------------------------------------
-    def _int8_modules(self, base_model, names: list[str]) -> dict[str, torch.nn.Module]:
+    def _int8_modules(self, base_model, names: list[str], device: torch.device) -> dict[str, torch.nn.Module]:
+        """{module path: INT8 copy} of the chosen layers, built where missing for computing on `device`, each
+        tied to its float layer so that ComfyUI counts it and frees it with that layer (see residency.py)."""
         root = self._fresh_module_cache(base_model)
         candidates = find_candidates(root)
         out = {}
@@ -170,23 +182,110 @@ class Int8Plan:
             if name not in candidates:
                 continue
             path, kind = candidates[name]
-            if name not in self._modules:
-                self._modules[name] = self._quantize_layer(root.get_submodule(path), kind)
-            out[path] = self._modules[name]
+            float_module = root.get_submodule(path)
+            layer = self._placed_copy(name, device)
+            if layer is None:
+                layer = self._modules[name] = self._copy_for_device(float_module, kind, device)
+            self._track(base_model, name, float_module, layer)
+            out[path] = layer
         return out
+
+    def _placed_copy(self, name: str, device: torch.device | None):
+        """The INT8 copy of `name` if it is on the computing `device` (else None: it is built there)."""
+        layer = self._modules.get(name)
+        if layer is not None and device is not None and not is_on(layer.weight, device):
+            self._release(name)
+            return None
+        return layer
+
+    def _copy_for_device(self, float_module: torch.nn.Module, kind: str, device: torch.device) -> torch.nn.Module:
+        """The INT8 copy of a float layer, with the weight width of the backend that computes on `device`, kept on
+        `device` even when ComfyUI keeps the float layer offloaded: derived forms (padded rows, column sums) are
+        then built once, for a copy that stays, instead of per call from a temporary transfer."""
+        layer = self._quantize_layer(float_module, kind, weight_qmax(device))
+        if not is_on(layer.weight, device):
+            layer = layer.to(device, non_blocking=comfy.model_management.device_supports_non_blocking(device))
+        return layer
+
+    def on_load(self, patcher, device_to, lowvram_model_memory, force_patch_weights, full_load) -> None:
+        """ComfyUI (re)loaded the model: its count holds the float weights only, and the load rewrote every layer's
+        function lists; count the INT8 copies that stay, where they stay, and tie them to their layers again."""
+        base_model = patcher.model
+        if full_load and not base_model.model_lowvram:  # ComfyUI counted model_size(), INT8 copies included
+            base_model.model_loaded_weight_memory = self._float_sizes.get(id(base_model), patcher.model_size())
+        for marker in self._markers.values():
+            marker.counted_bytes = 0
+        root = self._fresh_module_cache(base_model)
+        candidates = find_candidates(root)
+        for name in list(self._modules):
+            if name not in candidates:
+                continue
+            layer = self._placed_copy(name, device_to if device_to is not None else base_model.device)
+            if layer is not None:
+                self._track(base_model, name, root.get_submodule(candidates[name][0]), layer)
+
+    def _track(self, base_model, name: str, float_module: torch.nn.Module, layer: torch.nn.Module) -> None:
+        """Put the layer's marker into its float layer's `bias_function` and count a copy on the device ComfyUI
+        loads the model to in the model's loaded memory, offloaded float layer or not."""
+        if not hasattr(float_module, "bias_function"):
+            return  # not one of ComfyUI's op classes: ModelPatcher neither counts nor offloads it
+        marker = marker_of(float_module, name)
+        if marker is None:
+            marker = Int8CopyMarker(name, self._release)
+            float_module.bias_function = [*float_module.bias_function, marker]  # a new list: never the class's
+        self._markers[name] = marker
+        loaded_to = getattr(base_model, "device", None)
+        if marker.counted_bytes == 0 and loaded_to is not None and is_on(layer.weight, loaded_to):
+            marker.counted_bytes = int8_module_bytes(layer)
+            base_model.model_loaded_weight_memory = getattr(base_model, "model_loaded_weight_memory", 0) + \
+                marker.counted_bytes
+
+    def _release(self, name: str) -> int:
+        """Drop the INT8 copy of layer `name` (ComfyUI moved its float layer); rebuilt on its next call."""
+        module = self._modules.pop(name, None)
+        if module is None:
+            return 0
+        release_packed_weight(module.weight)
+        return int8_module_bytes(module)
+
+    def _uncount_dropped(self, base_model) -> None:
+        """Take the copies calibration dropped out of the model's loaded memory."""
+        for name, marker in self._markers.items():
+            if name not in self._modules and marker.counted_bytes:
+                base_model.model_loaded_weight_memory -= marker.counted_bytes
+                marker.counted_bytes = 0
+
+    def _report_size(self, patcher, names: list[str]) -> None:
+        """Make `patcher.model_size()` (what ComfyUI plans loads and frees memory with) include the INT8 copies
+        of `names` on top of the float weights, which stay loaded alongside them."""
+        if patcher is None:
+            return
+        root = unwrap_compiled(patcher.model.diffusion_model)
+        candidates = find_candidates(root)
+        extra = sum(int8_copy_bytes(root.get_submodule(candidates[name][0])) for name in names if name in candidates)
+        key = id(patcher.model)
+        if key not in self._float_sizes:
+            self._float_sizes = {key: float_model_size(patcher)}
+        patcher.size = self._float_sizes[key] + extra
 
     def _fresh_module_cache(self, base_model) -> torch.nn.Module:
         """Drop the INT8 modules when the live weights changed (another model, or other weight patches)."""
         root = base_model.diffusion_model
         state = (id(base_model), id(root), getattr(base_model, "current_weight_patches_uuid", None))
         if state != self._modules_state:
-            self._modules_state, self._modules = state, {}
+            for name in list(self._modules):
+                self._release(name)
+            self._modules_state = state
         return root
 
     @staticmethod
-    def _quantize_layer(module: torch.nn.Module, kind: str) -> torch.nn.Module:
+    def _quantize_layer(module: torch.nn.Module, kind: str, qmax: int | None = None) -> torch.nn.Module:
+        """The INT8 copy of float layer `module`; `qmax` is the weight width of the device that computes with it
+        (default: the one its weight is on)."""
         with torch.inference_mode(False), torch.no_grad():
-            return Int8Linear.from_float(module) if kind == "linear" else Int8Conv2d.from_float(module)
+            if kind == "linear":
+                return Int8Linear.from_float(module, qmax)
+            return Int8Conv2d.from_float(module, qmax)
 
     # --- calibration ---------------------------------------------------------------------------------
     def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str):
@@ -218,7 +317,7 @@ class Int8Plan:
                 # One layer at a time: only a layer that passes the kind and density gates is quantized, and its
                 # INT8 copy is kept only if it passes the error gate too.
                 if self.settings.kind_enabled(kind) and row.density >= self.settings.compute_density_threshold:
-                    layer = self._modules.pop(name, None) or self._quantize_layer(module, kind)
+                    layer = self._modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
                     memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
                     row.error = normalized_mse(layer(x), output)
                     if gate and decide(row, self.settings) == "int8":
@@ -250,6 +349,8 @@ class Int8Plan:
         result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers, backend=backend_for(args[0].device))
         chosen = set(result.chosen)
         self._modules = {name: module for name, module in self._modules.items() if name in chosen}
+        self._uncount_dropped(base_model)
+        self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
         if chosen:
             # Return the INT8 output, so that the calibrating run gives the same result as every later run.
             output, result.model_error, result.int8_flop_fraction = self._measure_swapped(
@@ -268,7 +369,7 @@ class Int8Plan:
         (FlopCounterMode sees the float matmuls/convs/attention; the INT8 ops are opaque to it)."""
         from torch.utils.flop_counter import FlopCounterMode
 
-        replacements = self._int8_modules(base_model, result.chosen)
+        replacements = self._int8_modules(base_model, result.chosen, args[0].device)
         counter = FlopCounterMode(display=False)
         with swapped_modules(base_model.diffusion_model, replacements), counter, record_calls() as calls:
             swapped_output = executor(*args, **kwargs)

@@ -1,9 +1,11 @@
 """Saving a quantized MODEL as an INT8 checkpoint in ComfyUI's INT8 format (see `checkpoint.py`).
 
-The layers written in INT8 are the ones the model's INT8 plan chose at calibration, quantized per output channel for
-the weight width of the model's load device, from the model's float weights: the original ones, or with the
-model's LoRA/weight patches merged in when asked (computed here, never by asking ComfyUI to patch the model, which
-dynamic VRAM refuses). Everything else is written as it is.
+The layers written in INT8 come from the model's calibration, by the `int8_layers` choice: every layer within the
+error and density thresholds (`SMALLEST_FILE`, the default: a file for memory), or only those the speed gate also
+kept because they ran faster in INT8 on the machine that calibrated (`FASTER_ONLY`). They are quantized per output
+channel for the weight width of the model's load device, from the model's float weights: the original ones, or with
+the model's LoRA/weight patches merged in when asked (computed here, never by asking ComfyUI to patch the model,
+which dynamic VRAM refuses). Everything else is written as it is.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import torch
 
 from ...kernels import weight_bits, weight_qmax
 from ..comfy_contracts import merged_state_dict
+from ..page import show_on_node
 from . import int8_plan
 from .checkpoint import int8_metadata, int8_state_dict
 from .modules import Int8Conv2d, Int8Linear
 from .plan import Int8Plan, canonical_name, find_candidates, unwrap_compiled
 
 log = logging.getLogger("int8_accel.int8")
+SMALLEST_FILE = "every accurate layer (smallest file)"
+FASTER_ONLY = "only layers faster in INT8"
+INT8_LAYER_CHOICES = (SMALLEST_FILE, FASTER_ONLY)
 NOT_QUANTIZED = "this model did not go through Quantize Model (INT8): connect the Quantize node's model output"
 NOT_CALIBRATED = ("the INT8 layers are not chosen yet: run a sampler with this model first (calibration happens on "
                   "the first sampling step). In the same workflow, connect that sampler's LATENT output to "
@@ -50,13 +56,16 @@ def _int8_layer(module: torch.nn.Module, kind: str, weight: torch.Tensor, bias: 
     return layer
 
 
-def int8_checkpoint(model, bake_lora: bool = False,
-                    after_sampling: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(state dict, safetensors metadata) of `model`'s diffusion model with its chosen layers in INT8.
-    `after_sampling`: a sampler's output was wired in to run this after it (only changes the error message).
+def int8_checkpoint(model, bake_lora: bool = False, after_sampling: bool = False,
+                    int8_layers: str = SMALLEST_FILE) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state dict, safetensors metadata) of `model`'s diffusion model with the layers `int8_layers` picks from its
+    calibration in INT8 (one of `INT8_LAYER_CHOICES`). `after_sampling`: a sampler's output was wired in to run this
+    after it (only changes the error message).
 
     The weights are the model's originals, with its LoRA/weight patches merged in here when `bake_lora`, whatever
     the patcher and whatever ComfyUI has loaded (see `comfy_contracts.merged_state_dict`)."""
+    if int8_layers not in INT8_LAYER_CHOICES:
+        raise ValueError(f"int8_layers={int8_layers!r} is not one of {list(INT8_LAYER_CHOICES)}")
     plan = int8_plan(model)
     if plan is None:
         raise ValueError(NOT_QUANTIZED)
@@ -68,7 +77,8 @@ def int8_checkpoint(model, bake_lora: bool = False,
     candidates = find_candidates(root)
     device = model.load_device
     layers = {}
-    for name in result.chosen:
+    names = result.within_thresholds if int8_layers == SMALLEST_FILE else result.chosen
+    for name in names:
         if name in candidates:
             path, kind = candidates[name]
             layers[name] = _int8_layer(root.get_submodule(path), kind, weights[f"{name}.weight"],
@@ -78,7 +88,8 @@ def int8_checkpoint(model, bake_lora: bool = False,
     kinds = [candidates[name][1] for name in layers]
     metadata = int8_metadata(dataclasses.asdict(plan.settings), plan.last_report or None,
                              weight_bits=weight_bits(device), bake_lora=str(bool(bake_lora)).lower(),
-                             latent_shape=str(result.shape), int8_linear=str(kinds.count("linear")),
+                             latent_shape=str(result.shape), int8_layers=int8_layers,
+                             int8_linear=str(kinds.count("linear")),
                              int8_conv=str(kinds.count("conv")))
     return sd, metadata
 
@@ -94,19 +105,28 @@ def filename_prefix_problem(filename_prefix: str) -> str | None:
 
 
 def save_int8_model(model, filename_prefix: str = "int8/diffusion_model", bake_lora: bool = False,
-                    output_dir: str | None = None, after_sampling: bool = False) -> str:
+                    output_dir: str | None = None, after_sampling: bool = False,
+                    int8_layers: str = SMALLEST_FILE, node_id: str | None = None) -> str:
     """Write `model` (a MODEL from Quantize Model (INT8), calibrated) as one .safetensors in ComfyUI's first
-    diffusion_models folder (or `output_dir`) and return its path. `after_sampling` as for `int8_checkpoint`."""
+    diffusion_models folder (or `output_dir`) and return its path; what it wrote is logged and shown on node
+    `node_id`. `after_sampling`, `int8_layers` as for `int8_checkpoint`."""
     import folder_paths
 
     if filename_prefix_problem(filename_prefix):
         raise ValueError(filename_prefix_problem(filename_prefix))
-    sd, metadata = int8_checkpoint(model, bake_lora, after_sampling)
+    sd, metadata = int8_checkpoint(model, bake_lora, after_sampling, int8_layers)
     output_dir = output_dir or folder_paths.get_folder_paths("diffusion_models")[0]
     folder, filename, counter, _, _ = folder_paths.get_save_image_path(filename_prefix, output_dir)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{filename}_{counter:05}_.safetensors")
     comfy.utils.save_torch_file(sd, path, metadata=metadata)
-    log.info("int8-accel: saved %s (%s Linear and %s Conv2d layers in INT8)", path,
-             metadata["int8_accel.int8_linear"], metadata["int8_accel.int8_conv"])
+    summary = save_summary(path, metadata)
+    log.info("int8-accel: %s", summary)
+    show_on_node(summary, node_id)
     return path
+
+
+def save_summary(path: str, metadata: dict[str, str]) -> str:
+    """One line on what a save wrote: the file, the layer choice and how many layers of each kind are INT8."""
+    return (f"saved {os.path.basename(path)}: {metadata['int8_accel.int8_linear']} Linear and "
+            f"{metadata['int8_accel.int8_conv']} Conv2d layers in INT8 ({metadata['int8_accel.int8_layers']})")

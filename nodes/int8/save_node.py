@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..node_schema import pack_schema, widget_problem
-from .save import filename_prefix_problem, save_int8_model
+from .save import INT8_LAYER_CHOICES, SMALLEST_FILE, filename_prefix_problem, save_int8_model
 
 
 class Int8AccelSaveModel(io.ComfyNode):
@@ -15,7 +15,7 @@ class Int8AccelSaveModel(io.ComfyNode):
             "Int8AccelSaveModel", "Save INT8 Model",
             description=(
                 "Saves the diffusion model of a MODEL that went through Quantize Model (INT8) as one .safetensors "
-                "in ComfyUI's INT8 format, in the diffusion_models folder: the layers calibration chose are "
+                "in ComfyUI's INT8 format, in the diffusion_models folder: the layers int8_layers picks are "
                 "written as int8 weight + weight_scale + comfy_quant, the rest as it is, with the settings and "
                 "the calibration report in the file's metadata. Load it with Load Diffusion Model (INT8). "
                 "Calibration happens on the first sampling step, so the save must run after a sampler used the "
@@ -27,12 +27,18 @@ class Int8AccelSaveModel(io.ComfyNode):
                 io.Boolean.Input("bake_lora", default=False, tooltip=(
                     "Write the weights with the model's LoRA and other weight patches applied. Off: the original "
                     "weights, so a LoRA can still be added after loading.")),
+                io.Combo.Input("int8_layers", options=list(INT8_LAYER_CHOICES), default=SMALLEST_FILE, tooltip=(
+                    "Which layers the file holds in INT8. Every accurate layer: all layers within the Quantize "
+                    "node's error and density thresholds, for the smallest file and least memory. Only layers "
+                    "faster in INT8: those the speed gate also kept because they ran faster in INT8 than in float "
+                    "on the machine that calibrated (all accurate layers when the gate is off).")),
                 io.Latent.Input("after_sampling", optional=True, tooltip=(
                     "Connect the LATENT output of a sampler that uses this model. The latent is not used: the "
                     "link makes ComfyUI run the save after that sampler, whose first step chooses the INT8 "
                     "layers. Without it ComfyUI may run the save first (output nodes go first).")),
             ],
             outputs=[],
+            hidden=[io.Hidden.unique_id],
             is_output_node=True,
         )
 
@@ -44,6 +50,8 @@ class Int8AccelSaveModel(io.ComfyNode):
         return problem or True
 
     @classmethod
-    def execute(cls, model, filename_prefix: str, bake_lora: bool, after_sampling: dict | None = None) -> io.NodeOutput:
-        save_int8_model(model, filename_prefix, bake_lora, after_sampling=after_sampling is not None)
+    def execute(cls, model, filename_prefix: str, bake_lora: bool, int8_layers: str = SMALLEST_FILE,
+                after_sampling: dict | None = None) -> io.NodeOutput:
+        save_int8_model(model, filename_prefix, bake_lora, after_sampling=after_sampling is not None,
+                        int8_layers=int8_layers, node_id=getattr(cls.hidden, "unique_id", None))
         return io.NodeOutput()

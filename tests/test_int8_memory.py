@@ -1,0 +1,231 @@
+"""The on-the-fly INT8 copies in ComfyUI's memory accounting, on the tiny SD1.5 in the real ComfyUI 0.3.75: the
+size ComfyUI plans loads with and the memory it counts as loaded include them, `partially_unload` frees the
+copies of the layers it offloads, and a low-VRAM load samples what a full load samples."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from comfyui_int8_accel.kernels import record_calls
+from tests.support.int8_checks import ALL_INT8
+from tests.support.tiny_models import build_tiny_model, sample
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
+    monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "0")  # every eligible layer in INT8, whatever this CPU's speed
+
+
+@pytest.fixture(scope="module")
+def quant(pack):
+    return importlib.import_module("comfyui_int8_accel.nodes.int8")
+
+
+def _quantized(quant, base):
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+
+    out, _ = quant.apply_int8(base, quant.settings_from_widgets(**ALL_INT8))
+    return out, int8_plan(out)
+
+
+def _loaded_entry(patcher):
+    import comfy.model_management
+
+    return next(entry for entry in comfy.model_management.current_loaded_models if entry.model is patcher)
+
+
+def _copy_bytes(plan) -> int:
+    from comfyui_int8_accel.nodes.int8.plan import int8_module_bytes
+
+    return sum(int8_module_bytes(module) for module in plan._modules.values())
+
+
+def offloaded(module: torch.nn.Module) -> bool:
+    """ModelPatcher marks a float layer it left in system memory (low-VRAM load, partial unload) so."""
+    return hasattr(module, "prev_comfy_cast_weights")
+
+
+def test_model_size_and_loaded_memory_count_the_int8_copies(comfy_root, quant, weight_width):
+    import comfy.model_management
+
+    base = build_tiny_model("sd15")
+    float_size = comfy.model_management.module_size(base.model)
+    out, plan = _quantized(quant, base)
+    sample(out, "sd15", steps=2)
+    int8_bytes = _copy_bytes(plan)
+    assert len(plan._modules) == len(plan.last_result.chosen) > 50 and int8_bytes > 0
+    assert all(module.qmax == (127 if weight_width == 8 else 63) for module in plan._modules.values())
+    entry = _loaded_entry(out)
+    assert entry.model_memory() == float_size + int8_bytes
+    assert entry.model_loaded_memory() == float_size + int8_bytes
+    sample(out, "sd15", steps=2)  # the next run plans its load with the copies and counts them once
+    assert entry.model_memory() == entry.model_loaded_memory() == float_size + int8_bytes
+    comfy.model_management.unload_all_models()
+
+
+def test_partially_unload_frees_the_int8_copies_of_the_layers_it_offloads(comfy_root, quant):
+    import comfy.model_management
+
+    from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
+
+    base = build_tiny_model("sd15")
+    out, plan = _quantized(quant, base)
+    reference = sample(out, "sd15", steps=2)
+    entry = _loaded_entry(out)
+    loaded_before = entry.model_loaded_memory()
+    copies_before = dict(plan._modules)
+    budget = loaded_before // 3
+    freed = out.partially_unload(out.offload_device, memory_to_free=budget)
+
+    root = out.model.diffusion_model
+    candidates = find_candidates(root)
+    moved = [name for name in copies_before if offloaded(root.get_submodule(candidates[name][0]))]
+    kept = [name for name in copies_before if name not in moved]
+    assert moved and kept
+    assert all(name not in plan._modules for name in moved)
+    assert all(plan._modules.get(name) is copies_before[name] for name in kept)
+    float_freed = sum(comfy.model_management.module_size(root.get_submodule(candidates[name][0])) for name in moved)
+    int8_freed = sum(int8_module_bytes(copies_before[name]) for name in moved)
+    assert freed >= float_freed + int8_freed and freed >= budget
+    assert entry.model_loaded_memory() == loaded_before - freed
+
+    # The offloaded layers come back in INT8 (rebuilt on their next call) and the image does not change.
+    with record_calls() as calls:
+        again = sample(out, "sd15", steps=2)
+    assert sum(n for (_, _, path), n in calls.items() if path == "int8") > 0
+    assert all(name in plan._modules for name in moved)
+    assert torch.allclose(again, reference, rtol=1e-5, atol=1e-5)
+    comfy.model_management.unload_all_models()
+
+
+def test_low_vram_load_computes_what_a_full_load_computes(comfy_root, quant, weight_width):
+    """A load with a budget smaller than the model (ModelPatcher.patch_model with lowvram_model_memory, what
+    ComfyUI's lowvram mode does; on a CPU load device ComfyUI itself always loads in full) gives the model output
+    of a full load, in INT8; the INT8 copies live on the computing device, offloaded float layer or not, and count
+    as loaded memory on top of what ComfyUI counts for the float layers it loaded."""
+    import comfy.model_management
+
+    from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
+
+    base = build_tiny_model("sd15")
+    out, plan = _quantized(quant, base)
+    float_size = comfy.model_management.module_size(base.model)
+    gen = torch.Generator().manual_seed(3)
+    x, t, context = torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([700.0, 700.0]), torch.randn(2, 8, 768)
+    root = out.model.diffusion_model
+    candidates = find_candidates(root)
+
+    def run(patcher, lowvram_model_memory: int):
+        patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=lowvram_model_memory)
+        try:
+            with torch.inference_mode(), record_calls() as calls:
+                y = [patcher.model.apply_model(x, t, c_crossattn=context,
+                                               transformer_options={"wrappers": patcher.wrappers})
+                     for _ in range(2)][-1]
+            int8_calls = sum(n for (_, _, path), n in calls.items() if path == "int8")
+            return (y, patcher.loaded_size(), int8_calls, *resident_and_moved())
+        finally:
+            patcher.unpatch_model(device_to=torch.device("cpu"))
+
+    def resident_and_moved():
+        """(bytes of the INT8 copies on the device the model is loaded to, copies whose float layer is offloaded)"""
+        on_device = [module for module in plan._modules.values() if module.weight.device == out.model.device]
+        moved = [name for name in plan._modules if offloaded(root.get_submodule(candidates[name][0]))]
+        return sum(int8_module_bytes(module) for module in on_device), len(moved)
+
+    budget = float_size // 2
+    float_low_loaded = run(base.clone(), budget)[1]  # ComfyUI's own count for the float model
+    assert 0 < float_low_loaded < float_size
+    full, full_loaded, full_calls, full_resident, full_moved = run(out, 0)
+    low_vram, low_loaded, low_calls, low_resident, low_moved = run(out, budget)
+    assert full_calls > 0 and low_calls > 0
+    assert full_moved == 0 and full_loaded == float_size + full_resident
+    assert low_moved > 0 and low_loaded == float_low_loaded + low_resident
+    assert torch.allclose(low_vram, full, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_copies_take_width_and_place_from_the_device_that_computes(comfy_root, quant, monkeypatch):
+    """A GPU host whose CPU has no VNNI: ComfyUI keeps offloaded float layers in system memory (7-bit weights
+    there), the layers compute on a device whose backend takes 8-bit weights. Emulated on the CPU with the meta
+    device as the computing device (its backend, the reference one, takes 8 bits)."""
+    from comfyui_int8_accel.kernels import backend_for, weight_bits
+    from comfyui_int8_accel.kernels import quant as kernel_quant
+    from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
+
+    monkeypatch.delenv("INT8_ACCEL_WEIGHT_BITS", raising=False)
+    monkeypatch.setattr(kernel_quant, "cpu_has_int8_dot_product", lambda: False)
+    assert backend_for("cpu") == "cpu" and weight_bits("cpu") == 7 and weight_bits("meta") == 8
+    base = build_tiny_model("sd15")
+    out, plan = _quantized(quant, base)
+    out.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)  # every float layer offloaded
+    builds = []
+    quantize_layer = Int8Plan._quantize_layer
+
+    def counted(module, kind, qmax=None):
+        builds.append(module)
+        return quantize_layer(module, kind, qmax)
+
+    monkeypatch.setattr(Int8Plan, "_quantize_layer", staticmethod(counted))
+    try:
+        names = list(find_candidates(out.model.diffusion_model))
+        first = plan._int8_modules(out.model, names, torch.device("meta"))
+        assert len(first) == len(names) == len(builds)
+        assert all(layer.qmax == 127 and layer.weight.device.type == "meta" for layer in first.values())
+        again = plan._int8_modules(out.model, names, torch.device("meta"))  # the next call: no requantization
+        assert len(builds) == len(names) and all(again[path] is first[path] for path in first)
+        on_cpu = plan._int8_modules(out.model, names[:3], torch.device("cpu"))  # computing moved: rebuilt there
+        assert len(builds) == len(names) + 3 and all(layer.qmax == 63 for layer in on_cpu.values())
+    finally:
+        out.unpatch_model(device_to=torch.device("cpu"))
+
+
+def test_dynamic_vram_load_keeps_the_int8_copies_resident_counted_and_freed_on_unload(comfy_root, quant,
+                                                                                      monkeypatch):
+    """ComfyUI 0.38's ModelPatcherDynamic (comfy/model_patcher.py: ModelPatcherDynamic.load and .unpatch_model) keeps
+    the float weights in system memory and streams them per layer; each load gives every layer fresh function lists
+    (`setup_param`: `bias_function` = the weight wrappers only) with `comfy_cast_weights` set, then runs the ON_LOAD
+    callbacks; its unpatch_model calls `move_weight_functions` on every module. Emulated on 0.3.75's plain patcher
+    with the meta device as the GPU: the INT8 copies live on the computing device with its weight width, count once
+    in the loaded memory across loads, and a full unpatch frees them all."""
+    import comfy.model_patcher
+    from comfy.patcher_extension import CallbacksMP
+
+    from comfyui_int8_accel.kernels import quant as kernel_quant
+    from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
+
+    monkeypatch.delenv("INT8_ACCEL_WEIGHT_BITS", raising=False)
+    monkeypatch.setattr(kernel_quant, "cpu_has_int8_dot_product", lambda: False)  # 7-bit weights on this "host"
+    base = build_tiny_model("sd15")
+    out, plan = _quantized(quant, base)
+    gpu = torch.device("meta")
+
+    def dynamic_load():
+        for module in out.model.modules():
+            if hasattr(module, "comfy_cast_weights"):
+                module.comfy_cast_weights = True
+                module.weight_function, module.bias_function = [], []
+        out.model.device, out.model.model_loaded_weight_memory = gpu, 0
+        out.model.current_weight_patches_uuid = out.patches_uuid
+        for callback in out.get_all_callbacks(CallbacksMP.ON_LOAD):
+            callback(out, gpu, 0, False, False)
+
+    names = list(find_candidates(out.model.diffusion_model))
+    dynamic_load()
+    copies = plan._int8_modules(out.model, names, gpu)
+    int8_bytes = sum(int8_module_bytes(layer) for layer in copies.values())
+    assert all(layer.weight.device == gpu and layer.qmax == 127 for layer in copies.values())
+    assert all(p.device.type == "cpu" for p in out.model.diffusion_model.parameters())  # float stays in RAM
+    assert out.model.model_loaded_weight_memory == int8_bytes
+
+    dynamic_load()  # the next prompt's load: the copies stay, tied to their layers again, counted once
+    assert out.model.model_loaded_weight_memory == int8_bytes
+    again = plan._int8_modules(out.model, names, gpu)
+    assert all(again[path] is copies[path] for path in copies) and out.model.model_loaded_weight_memory == int8_bytes
+
+    freed = sum(comfy.model_patcher.move_weight_functions(module, torch.device("cpu"))
+                for module in out.model.modules())
+    assert freed == int8_bytes and not plan._modules
