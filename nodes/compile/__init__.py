@@ -70,7 +70,7 @@ def compile_model(model, settings: CompileSettings, *, strategy: str | None = No
         compiled_pieces = compiled_regions(settings, problem if regions else "regions off")
         compiled.add_wrapper_with_key(
             comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
-            make_apply_model_wrapper(compiled_pieces, prepack=prepack and on_cpu and prepacking_supported(),
+            make_apply_model_wrapper(compiled_pieces, settings, prepack=prepack and on_cpu and prepacking_supported(),
                                      group_norm_silu=group_norm_silu),
         )
         if on_cpu and sdpa:

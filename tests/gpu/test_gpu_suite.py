@@ -221,3 +221,30 @@ def test_compile_model_recompiles_once_per_shape_family_and_never_for_a_lora(pac
     for height in (64, 96):
         sample(apply_lora(compiled, lora, 0.5), "sd15", steps=2, height=height, width=64)
     assert graphs() == known, f"a known resolution or LoRA recompiled: {dict(counters['stats'])}"
+
+
+# ---- Compile Model in a CUDA-graph mode ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,sizes", [("sd15", ((64, 64), (96, 64))), ("flux", ((128, 128), (160, 128)))])
+def test_reduce_overhead_matches_eager_over_two_prompts_at_two_resolutions(pack, kind, sizes):
+    """CUDA graphs replayed per block region: a UNet reads its input blocks' outputs many regions later (skip
+    connections), which a later replay must not overwrite; a region that fails falls back to eager for good,
+    so the regions must still be compiled at the end."""
+    from comfyui_int8_accel.nodes import compile as compile_core
+    from comfyui_int8_accel.nodes.compile import blocks
+    from tests.support.int8_checks import rel
+    from tests.support.tiny_models import build_tiny_model, sample
+
+    model = build_tiny_model(kind, seed=5)
+    settings = compile_core.CompileSettings(mode="reduce-overhead")
+    compiled = compile_core.compile_model(model, settings)
+    for height, width in sizes:
+        for seed in (0, 1):  # two prompts after another: the second replays the graphs the first recorded
+            eager = sample(model, kind, steps=3, seed=seed, height=height, width=width)
+            out = sample(compiled, kind, steps=3, seed=seed, height=height, width=width)
+            assert torch.isfinite(out).all()
+            assert rel(out, eager) < 1e-3, (height, width, seed)
+    for cls in {type(block) for block in blocks.repeated_blocks(model.model.diffusion_model)}:
+        region = blocks.block_region(cls, settings)
+        assert region.compiled is not None and region.disabled_reason is None, (cls, region.disabled_reason)
