@@ -248,3 +248,27 @@ def test_reduce_overhead_matches_eager_over_two_prompts_at_two_resolutions(pack,
     for cls in {type(block) for block in blocks.repeated_blocks(model.model.diffusion_model)}:
         region = blocks.block_region(cls, settings)
         assert region.compiled is not None and region.disabled_reason is None, (cls, region.disabled_reason)
+
+
+# ---- the speed gate's clock ------------------------------------------------------------------------------------
+
+
+def test_speed_gate_times_device_work_per_call_with_events(pack):
+    """Work of known GPU length (torch.cuda._sleep spins the GPU for a number of cycles): the gate's CUDA timing
+    gives per-call seconds in proportion to it, after its warm-up, over back-to-back calls."""
+    speed = importlib.import_module("comfyui_int8_accel.nodes.int8.speed")
+    plan = speed.timing_plan(DEVICE)
+    calls = Counter()
+
+    def spin(name: str, cycles: int):
+        def call():
+            calls[name] += 1
+            torch.cuda._sleep(cycles)
+
+        return call
+
+    timing = speed.time_float_and_int8(spin("float", 2_000_000), spin("int8", 4_000_000), DEVICE, repetitions=3)
+    assert calls == {name: plan.warmup_calls + 3 * plan.calls_per_sample for name in ("float", "int8")}
+    assert plan.calls_per_sample > 1
+    assert 1.6 < timing.int8_seconds / timing.float_seconds < 2.4
+    assert not timing.int8_faster
