@@ -270,3 +270,99 @@ def test_speed_gate_times_device_work_per_call_with_events(pack):
     assert plan.calls_per_sample > 1
     assert 1.6 < timing.int8_seconds / timing.float_seconds < 2.4
     assert not timing.int8_faster
+
+
+# ---- ComfyUI models on the GPU: storage dtypes, INT8 + Compile Model, low-VRAM loading -----------------------
+
+STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3fn": torch.float8_e4m3fn}
+SIZE = {"sd15": (64, 64), "flux": (128, 128)}
+
+
+def _stored_as(kind: str, storage: str, monkeypatch):
+    """The tiny `kind` model's state dict loaded by ComfyUI's diffusion-model loader with `model_options["dtype"]`,
+    what UNETLoader's weight_dtype fp8_e4m3fn sets (comfy/sd.py load_diffusion_model_state_dict), so ComfyUI picks
+    the compute dtype for this GPU and casts per layer where it must; and the fp32 model it came from."""
+    import comfy.sd
+
+    from tests.support.tiny_models import build_tiny_model
+    from tests.test_int8_checkpoints import detect_tiny
+
+    detect_tiny(monkeypatch, kind)
+    source = build_tiny_model(kind, seed=5)
+    state = {key: value.detach().cpu().clone() for key, value in source.model.diffusion_model.state_dict().items()}
+    loaded = comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": STORAGE[storage]})
+    assert loaded.model.get_dtype() == STORAGE[storage]
+    return loaded, source
+
+
+def _int8_layers(model) -> dict:
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+
+    plan = int8_plan(model)
+    assert plan is not None and plan._modules, "no layer was quantized"
+    return plan._modules
+
+
+@pytest.mark.parametrize("storage", list(STORAGE))
+@pytest.mark.parametrize("kind", ["sd15", "flux"])
+def test_int8_then_compile_model_on_a_model_stored_in(pack, kind, storage, monkeypatch):
+    """Quantize Model (INT8) then Compile Model on a model ComfyUI keeps in fp16, bf16 or fp8 (the usual way to fit
+    Flux on a 12-24 GB card): the INT8 layers really run on a GPU backend, keep bias and scales in a dtype the
+    kernels take (never fp8), and the image is the float model's within INT8 error."""
+    from comfyui_int8_accel.nodes import compile as compile_core
+    from comfyui_int8_accel.nodes import int8 as quant
+    from tests.support.int8_checks import ALL_INT8, rel
+    from tests.support.tiny_models import sample
+
+    height, width = SIZE[kind]
+    model, source = _stored_as(kind, storage, monkeypatch)
+    reference = sample(source, kind, steps=3, height=height, width=width)
+    quantized, _ = quant.apply_int8(model, quant.settings_from_widgets(**ALL_INT8))
+    sample(quantized, kind, steps=1, height=height, width=width)  # calibration
+    compiled = compile_core.compile_model(quantized, compile_core.CompileSettings())
+    with record_calls() as calls:
+        out = sample(compiled, kind, steps=3, height=height, width=width)
+    gpu_int8 = sum(n for (_, backend, path), n in calls.items() if backend in ("triton", "cuda") and path == "int8")
+    assert gpu_int8 > 0, dict(calls)
+    for name, layer in _int8_layers(quantized).items():
+        assert layer.weight.dtype == torch.int8 and layer.weight.device.type == "cuda", name
+        kept = [t for t in (layer.weight_scale, layer.bias) if t is not None]
+        assert all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) for t in kept), (name, [t.dtype for t in kept])
+    assert torch.isfinite(out).all()
+    assert rel(out, reference) < 0.2, "INT8 + compile on the stored model strays from the fp32 model"
+
+
+def test_low_vram_loading_runs_int8_and_matches_the_full_load(pack):
+    """ComfyUI's partial load (lowvram_model_memory: layers that do not fit stay in RAM and are cast per forward):
+    the INT8 model built from those layers runs its INT8 kernels on the GPU and equals the fully loaded one."""
+    from comfyui_int8_accel.nodes import int8 as quant
+    from tests.support.int8_checks import ALL_INT8
+    from tests.support.tiny_models import build_tiny_model
+
+    gen = torch.Generator().manual_seed(3)
+    x, t, context = (torch.randn(2, 4, 8, 8, generator=gen).to(DEVICE), torch.tensor([700.0, 700.0], device=DEVICE),
+                     torch.randn(2, 8, 768, generator=gen).to(DEVICE))  # fmt: skip
+    base = build_tiny_model("sd15", seed=5)
+
+    def run(patcher, lowvram: bool):
+        patcher.patch_model(device_to=DEVICE, lowvram_model_memory=1 if lowvram else 0)
+        offloaded = [m for m in patcher.model.diffusion_model.modules()
+                     if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) and m.weight.device.type == "cpu"]
+        try:
+            with torch.inference_mode(), record_calls() as calls:
+                outs = [patcher.model.apply_model(x, t, c_crossattn=context,
+                                                  transformer_options={"wrappers": patcher.wrappers})
+                        for _ in range(2)]  # the first call calibrates
+            return outs[-1], calls, offloaded
+        finally:
+            patcher.unpatch_model(device_to=torch.device("cpu"))
+
+    partial, partial_calls, offloaded = run(quant.apply_int8(base, quant.settings_from_widgets(**ALL_INT8))[0],
+                                            lowvram=True)
+    full, full_calls, resident_offloaded = run(quant.apply_int8(base, quant.settings_from_widgets(**ALL_INT8))[0],
+                                               lowvram=False)
+    assert offloaded and not resident_offloaded, "ComfyUI did not load the model partially"
+    for calls in (partial_calls, full_calls):
+        assert sum(n for (_, backend, path), n in calls.items() if backend in ("triton", "cuda") and path == "int8") > 0
+    assert partial.device.type == "cuda" and torch.isfinite(partial).all()
+    assert torch.allclose(partial, full, rtol=1e-4, atol=1e-4)
