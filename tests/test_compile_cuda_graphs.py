@@ -12,6 +12,7 @@ a compiled region returned reaches the model (each is copied out of the pool) an
 from __future__ import annotations
 
 import importlib
+import logging
 
 import pytest
 import torch
@@ -48,6 +49,19 @@ def test_which_settings_replay_cuda_graphs(cm):
                 ("cudagraphs", "default"): True, ("aot_eager", "reduce-overhead"): False}
     got = {key: cm.CompileSettings(backend=key[0], mode=key[1]).uses_cuda_graphs() for key in expected}
     assert got == expected
+
+
+def test_cuda_graph_modes_say_they_replay_no_graphs_off_cuda(cm, caplog):
+    model = build_tiny_model("sd15", seed=3)
+    said = {}
+    for mode in ("reduce-overhead", "max-autotune", "default", "max-autotune-no-cudagraphs"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="int8_accel.compile"):
+            cm.compile_model(model, cm.CompileSettings(mode=mode), strategy="blocks")
+        said[mode] = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
+    assert said["reduce-overhead"] == ["int8-accel compile: mode reduce-overhead replays CUDA graphs only on a CUDA "
+                                       "device; on cpu it compiles without them"]
+    assert said["max-autotune"] and not said["default"] and not said["max-autotune-no-cudagraphs"]
 
 
 @pytest.mark.slow
