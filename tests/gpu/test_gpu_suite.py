@@ -414,3 +414,24 @@ def test_low_vram_loading_runs_int8_and_matches_the_full_load(pack):
         assert sum(n for (_, backend, path), n in calls.items() if backend in ("triton", "cuda") and path == "int8") > 0
     assert partial.device.type == "cuda" and torch.isfinite(partial).all()
     assert torch.allclose(partial, full, rtol=1e-4, atol=1e-4)
+
+
+def test_reduce_overhead_keeps_deepcache_features_across_model_calls(pack):
+    """DeepCache reuses a block's output from an earlier model call: the CUDA-graph step begun by the next call
+    must not have overwritten it."""
+    from comfyui_int8_accel.nodes import compile as compile_core
+    from comfyui_int8_accel.nodes import deepcache
+    from tests.support.int8_checks import rel
+    from tests.support.tiny_models import build_tiny_model, sample
+
+    model = build_tiny_model("sd15", seed=6)
+    cached = deepcache.apply_deepcache(model, cache_interval=2, cache_depth=1)
+    eager = sample(cached, "sd15", steps=4, height=64, width=64)
+    for first in ("deepcache", "compile"):
+        if first == "deepcache":
+            stacked = compile_core.compile_model(cached, compile_core.CompileSettings(mode="reduce-overhead"))
+        else:
+            compiled = compile_core.compile_model(model, compile_core.CompileSettings(mode="reduce-overhead"))
+            stacked = deepcache.apply_deepcache(compiled, cache_interval=2, cache_depth=1)
+        for _ in range(2):
+            assert rel(sample(stacked, "sd15", steps=4, height=64, width=64), eager) < 1e-3, first
