@@ -33,9 +33,12 @@ test-kernels: setup
 test-server: setup-browser
 	@$(PY) -m pytest tests -q -m "server or browser"
 
-# The GPU suite and the GPU bench table: ComfyUI on the GPU and Triton compiled (not interpreted). Without CUDA
-# both say so in one line and succeed.
+# The GPU suite and the GPU bench table: ComfyUI on the GPU and Triton compiled (not interpreted). A CPU-only
+# torch is first replaced by the CUDA build of the pinned one; without a CUDA device that computes (no GPU, a
+# driver the build cannot use) it stops with the reason and a non-zero exit.
 test-gpu: setup
+	@bash scripts/setup_gpu.sh
+	@$(PY) -m tests.support.cuda_check
 	@INT8_ACCEL_TESTS_ON_GPU=1 TRITON_INTERPRET=0 $(PY) -m pytest tests/gpu -q -m gpu
 	@$(PY) bench/bench_gpu.py
 

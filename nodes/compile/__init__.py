@@ -56,6 +56,10 @@ def compile_model(model, settings: CompileSettings, *, strategy: str | None = No
     elif settings.backend == "inductor":
         ensure_persistent_cache()
     on_cpu = device.type == "cpu"
+    if problem is None and settings.uses_cuda_graphs() and device.type != "cuda":
+        log.warning("int8-accel compile: %s replays CUDA graphs only on a CUDA device; on %s it compiles without "
+                    "them", f"backend {settings.backend}" if settings.backend != "inductor" else f"mode {settings.mode}",
+                    device.type)
 
     compiled = model.clone()
     compiled.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
@@ -70,7 +74,7 @@ def compile_model(model, settings: CompileSettings, *, strategy: str | None = No
         compiled_pieces = compiled_regions(settings, problem if regions else "regions off")
         compiled.add_wrapper_with_key(
             comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,
-            make_apply_model_wrapper(compiled_pieces, prepack=prepack and on_cpu and prepacking_supported(),
+            make_apply_model_wrapper(compiled_pieces, settings, prepack=prepack and on_cpu and prepacking_supported(),
                                      group_norm_silu=group_norm_silu),
         )
         if on_cpu and sdpa:

@@ -27,7 +27,7 @@ import torch
 
 from ..comfy_contracts import has_weight_patches, uses_vbar_cast
 from .attention import only_own_override
-from .regions import CompiledRegion
+from .regions import CompiledRegion, mark_cuda_graph_step
 from .settings import BLOCK_RECOMPILE_LIMIT, CompileSettings
 from .swap import swapped_forwards
 
@@ -120,7 +120,7 @@ def block_region(cls: type, settings: CompileSettings) -> CompiledRegion:
         _block_regions[key] = CompiledRegion(
             _block_runner(cls), name=f"{cls.__name__} blocks",
             compile_kwargs=settings.compile_kwargs(recompile_limit=BLOCK_RECOMPILE_LIMIT),
-            config_patches=settings.block_region_config())
+            config_patches=settings.block_region_config(), copies_outputs=settings.uses_cuda_graphs())
     return _block_regions[key]
 
 
@@ -226,6 +226,7 @@ def make_blocks_wrapper(settings: CompileSettings) -> Callable:
 
     def apply_model_wrapper(executor, *args, **kwargs):
         plan = plan_block_forwards(executor.class_obj.diffusion_model, settings)
+        mark_cuda_graph_step(settings)
         with swapped_forwards(plan), weights_without_grad([block for block, _ in plan]):
             return executor(*args, **kwargs)
 

@@ -26,8 +26,10 @@ class Int8AccelCompile(io.ComfyNode):
                     "torch.compile backend. inductor generates fused kernels (needs a C++ compiler on CPU, "
                     "Triton on GPU); aot_eager/eager only trace, for debugging.")),
                 io.Combo.Input("mode", options=MODE_CHOICES, default="default", tooltip=(
-                    "Inductor mode. reduce-overhead uses CUDA graphs on GPU; max-autotune searches kernel "
-                    "configs (slow first compile). Ignored by other backends.")),
+                    "Inductor mode. reduce-overhead uses CUDA graphs on GPU (one graph step per model call, "
+                    "block outputs copied out of the graph memory); max-autotune searches kernel configs (slow "
+                    "first compile) and uses CUDA graphs too; max-autotune-no-cudagraphs does not. Ignored by "
+                    "other backends.")),
                 io.Combo.Input("dynamic", options=DYNAMIC_CHOICES, default="auto", tooltip=(
                     "Dynamic shapes. auto/true: compile once for all resolutions and channel counts; false: "
                     "static shapes, one compile per new shape (each new resolution recompiles).")),

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map_only
 
 from ...kernels import CompiledOrEager
 from .settings import CompileSettings
@@ -60,26 +61,42 @@ def geglu_gate(h: torch.Tensor) -> torch.Tensor:
     return x * F.gelu(gate)
 
 
+def mark_cuda_graph_step(settings: CompileSettings) -> None:
+    """Start a new CUDA-graph step (one per model call) when these settings replay CUDA graphs. Without it every
+    region call is a new step to PyTorch's CUDA-graph trees, and a region's replay may overwrite the outputs of
+    the region before it while the model still holds them (a UNet's skip connections)."""
+    if settings.uses_cuda_graphs():
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 class CompiledRegion(CompiledOrEager):
     """A function compiled with the node's settings (eager for good if compiling fails), named in the log;
     `config_patches` ((config module, settings) pairs) are put in force around each call, since torch.compile
-    reads them when a call compiles."""
+    reads them when a call compiles. With `copies_outputs` (the CUDA-graph modes) the tensors it returns are
+    copies outside the CUDA-graph memory pool, so no later replay can overwrite what the model keeps (skip
+    connections, DeepCache's cached features, a sampler's previous output)."""
 
-    def __init__(self, fn, *, config_patches: list[tuple[Any, dict]] | None = None, **kwargs) -> None:
+    def __init__(self, fn, *, config_patches: list[tuple[Any, dict]] | None = None, copies_outputs: bool = False,
+                 **kwargs) -> None:
         super().__init__(fn, **kwargs)
         self.config_patches = list(config_patches or [])
+        self.copies_outputs = copies_outputs
 
     def __call__(self, *args, **kwargs):
         _region_state.name = self.name
         try:
             if not self.config_patches or self.disabled_reason is not None:
-                return super().__call__(*args, **kwargs)
-            with contextlib.ExitStack() as stack:
-                for module, changes in self.config_patches:
-                    stack.enter_context(module.patch(changes))
-                return super().__call__(*args, **kwargs)
+                output = super().__call__(*args, **kwargs)
+            else:
+                with contextlib.ExitStack() as stack:
+                    for module, changes in self.config_patches:
+                        stack.enter_context(module.patch(changes))
+                    output = super().__call__(*args, **kwargs)
         finally:
             _region_state.name = None
+        if self.copies_outputs and self.disabled_reason is None:
+            output = tree_map_only(torch.Tensor, torch.clone, output)
+        return output
 
 
 _regions_by_settings: dict[tuple[CompileSettings, str | None], dict[str, CompiledRegion]] = {}
@@ -91,7 +108,7 @@ def compiled_regions(settings: CompileSettings, disabled_reason: str | None) -> 
     if key not in _regions_by_settings:
         _regions_by_settings[key] = {
             name: CompiledRegion(fn, name=name, compile_kwargs=settings.compile_kwargs(),
-                                 disabled_reason=disabled_reason)
+                                 disabled_reason=disabled_reason, copies_outputs=settings.uses_cuda_graphs())
             for name, fn in (("group_norm_silu", group_norm_silu), ("geglu_gate", geglu_gate))
         }
     return _regions_by_settings[key]

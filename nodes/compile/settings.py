@@ -19,6 +19,8 @@ NEWER_COMPILE_KEYWORDS = ("isolate_recompiles", "recompile_limit")
 _warned_missing: set[str] = set()
 
 MODE_CHOICES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# Inductor modes that replay CUDA graphs (on CUDA tensors; elsewhere Inductor skips the graphs).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 DYNAMIC_CHOICES = ["auto", "true", "false"]
 # With static shapes every (channels, size) pair is a new graph: allow enough for a few resolutions.
 STATIC_RECOMPILE_LIMIT = 64
@@ -44,6 +46,11 @@ class CompileSettings:
         # the regions see every channel count and size of the UNet within one forward, so "auto"
         # means dynamic from the start: static-first would recompile inside the very first step
         return self.dynamic != "false"
+
+    def uses_cuda_graphs(self) -> bool:
+        """True when the compiled code replays CUDA graphs: its outputs live in a memory pool that the next
+        graph step overwrites (regions.py copies them out, the model wrappers mark a step per model call)."""
+        return self.backend == "cudagraphs" or (self.backend == "inductor" and self.mode in CUDA_GRAPH_MODES)
 
     def compile_kwargs(self, recompile_limit: int | None = None) -> dict[str, Any]:
         """torch.compile's keywords; `recompile_limit` per compiled region (static shapes get a raised one)."""

@@ -14,7 +14,8 @@ import torch
 from ..comfy_contracts import patches_in_forward
 from ..layers import layer_kind
 from .prepack import conv_prepacked, linear_prepacked, prepackable
-from .regions import CompiledRegion
+from .regions import CompiledRegion, mark_cuda_graph_step
+from .settings import CompileSettings
 
 
 def _as_region_input(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -68,7 +69,7 @@ def plan_forwards(diffusion_model: torch.nn.Module, regions: dict[str, CompiledR
     return plan
 
 
-def make_apply_model_wrapper(regions: dict[str, CompiledRegion], *, prepack: bool,
+def make_apply_model_wrapper(regions: dict[str, CompiledRegion], settings: CompileSettings, *, prepack: bool,
                              group_norm_silu: bool = False) -> Callable:
     def apply_model_wrapper(executor, *args, **kwargs):
         base_model = executor.class_obj
@@ -77,6 +78,7 @@ def make_apply_model_wrapper(regions: dict[str, CompiledRegion], *, prepack: boo
         stamp = getattr(base_model, "current_weight_patches_uuid", None)
         plan = plan_forwards(diffusion_model, regions, prepack=prepack and torch.device(device).type == "cpu",
                              stamp=stamp, group_norm_silu=group_norm_silu)
+        mark_cuda_graph_step(settings)
         with swapped_forwards(plan):
             return executor(*args, **kwargs)
 
