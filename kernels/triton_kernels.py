@@ -11,8 +11,8 @@ no multiply-add is contracted into an FMA that torch's separate kernels do not u
 device (the conv's activation scale and zero point) are passed as pointers, never read on the host.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Triton 3.0's interpreter recognises `tl.constexpr` parameters only by
+# their annotation object, not a string.
 import os
 
 import torch
