@@ -135,6 +135,11 @@ def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
     return y
 
 
+LINEAR_SCHEMA = "(Tensor x, Tensor q_weight, Tensor w_scale, Tensor? bias) -> Tensor"
+CONV2D_SCHEMA = ("(Tensor x, Tensor q_weight, Tensor w_scale, Tensor? bias, int[] stride, int[] padding, "
+                 "int[] dilation, int groups) -> Tensor")
+
+
 def _registered() -> bool:
     try:
         return hasattr(torch.ops.int8_accel, "linear")
@@ -157,7 +162,9 @@ elif not hasattr(torch.library, "custom_op"):  # PyTorch before 2.4
     _linear_op, _conv2d_op = _linear_impl, _conv2d_impl
 else:
 
-    @torch.library.custom_op("int8_accel::linear", mutates_args=())
+    # Explicit schemas: before PyTorch 2.7, schema inference rejects string annotations (this module's
+    # `from __future__ import annotations`) and `list[int]`.
+    @torch.library.custom_op("int8_accel::linear", mutates_args=(), schema=LINEAR_SCHEMA)
     def _linear_op(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _linear_impl(x, q_weight, w_scale, bias)
 
@@ -165,7 +172,7 @@ else:
     def _(x, q_weight, w_scale, bias):
         return x.new_empty(*x.shape[:-1], q_weight.shape[0])
 
-    @torch.library.custom_op("int8_accel::conv2d", mutates_args=())
+    @torch.library.custom_op("int8_accel::conv2d", mutates_args=(), schema=CONV2D_SCHEMA)
     def _conv2d_op(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                    stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
         return _conv2d_impl(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
