@@ -182,13 +182,16 @@ def conv_output_shape(
     padding: int | Sequence[int],
     dilation: int | Sequence[int],
 ) -> tuple[int, int, int, int]:
-    """(batch, out channels, height, width) of a zero-padded Conv2d of NCHW `x_shape` with `weight_shape`."""
+    """(batch, out channels, height, width) of a zero-padded Conv2d of NCHW `x_shape` with `weight_shape`.
+
+    Sizes stay what they are given (no int()): under torch.compile the fake kernel passes symbolic sizes, and
+    converting one would pin it, so every new batch or resolution would recompile."""
     stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
     sizes = [
         (x_shape[2 + i] + 2 * padding[i] - dilation[i] * (weight_shape[2 + i] - 1) - 1) // stride[i] + 1
         for i in range(2)
     ]
-    return int(x_shape[0]), int(weight_shape[0]), sizes[0], sizes[1]
+    return x_shape[0], weight_shape[0], sizes[0], sizes[1]
 
 
 def normalized_mse(y_test: torch.Tensor, y_ref: torch.Tensor) -> float:
