@@ -32,6 +32,15 @@ def available() -> str | None:
     return None
 
 
+def prepare_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    prepared_linear_weight(q_weight)
+
+
+def prepare_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   stride: list[int], padding: list[int], dilation: list[int], groups: int) -> None:  # fmt: skip
+    weight_column_sums(q_weight)
+
+
 def linear(
     x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
