@@ -198,6 +198,37 @@ def test_int8_layers_re_prepare_after_an_in_place_lora(backend, int8_modules, of
         assert not torch.equal(layer(x), y)
 
 
+@pytest.mark.parametrize("backend", GPU_PATH)
+def test_a_forward_after_preparation_builds_no_derived_weight(backend, int8_modules, off_cpu_cache):
+    """Padded rows and column sums are built when a layer is prepared (built, requantized, or moved to its device
+    and refreshed), never inside a call, where a CUDA-graph warm-up or capture may be running."""
+    torch.manual_seed(0)
+    with force_backend(backend):
+        built = sum(CACHE.builds.values())
+        layers = [
+            (int8_modules.Int8Linear.from_float(torch.nn.Linear(100, 36), qmax=127), torch.randn(2, 17, 100)),
+            (int8_modules.Int8Conv2d.from_float(torch.nn.Conv2d(4, 24, 3, padding=1), qmax=127),
+             torch.randn(1, 4, 9, 9)),
+            (int8_modules.Int8Conv2d.from_float(torch.nn.Conv2d(12, 18, 3, padding=1, groups=3), qmax=127),
+             torch.randn(2, 12, 8, 8)),
+        ]
+        assert sum(CACHE.builds.values()) > built, "preparing built nothing: the test would prove nothing"
+        for layer, x in layers:
+            entries, builds = len(CACHE), Counter(CACHE.builds)
+            layer(x)
+            assert (len(CACHE), CACHE.builds) == (entries, builds), type(layer).__name__
+        # a weight that moved (ComfyUI's load replaces the parameters' data) is prepared by the refresh the loader
+        # runs after loading
+        root = torch.nn.Sequential(*(layer for layer, _ in layers))
+        for layer, _ in layers:
+            layer.weight.data = layer.weight.data.clone()
+        int8_modules.refresh_int8_weights(root)
+        for layer, x in layers:
+            entries, builds = len(CACHE), Counter(CACHE.builds)
+            layer(x)
+            assert (len(CACHE), CACHE.builds) == (entries, builds), type(layer).__name__
+
+
 # ---- no host read ---------------------------------------------------------------------------------------------
 
 # Ops that read a device value on the host (or need one to size their output): each is a stream sync on CUDA.
