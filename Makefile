@@ -6,7 +6,7 @@ export PY
 # INT8_ACCEL_SKIP_BROWSER=1 is the one explicit opt-out: the set-up is not attempted and those tests skip
 # with that reason in pytest's summary.
 
-.PHONY: setup setup-browser test test-kernels test-inprocess test-server test-gpu demo bench lint checkpoint
+.PHONY: setup setup-browser test test-kernels test-floor test-inprocess test-server test-gpu demo bench lint checkpoint
 
 setup:
 	@bash scripts/setup.sh >/dev/null
@@ -26,9 +26,17 @@ checkpoint: setup
 
 test: setup-browser
 	@$(PY) -m pytest tests -q
+	@$(MAKE) --no-print-directory test-floor
 
 test-kernels: setup
 	@$(PY) -m pytest tests -q -m "not server and not browser" -k kernel
+
+# The kernel tier and the INT8 -> DeepCache -> Compile smoke on the oldest PyTorch pyproject.toml declares
+# (.venv-floor, built by scripts/setup_floor.sh, which prints that version).
+test-floor: setup
+	@floor="$$(bash scripts/setup_floor.sh)" && \
+	  INT8_ACCEL_EXPECT_TORCH="$$floor" $(CURDIR)/.venv-floor/bin/python -m pytest tests -q \
+	    -m "not server and not browser" -k "kernel or torch_floor"
 
 test-server: setup-browser
 	@$(PY) -m pytest tests -q -m "server or browser"

@@ -12,7 +12,8 @@ registered: torch.compile traces them with fullgraph=True), which dispatch to on
 the current thread, `record_calls()` counts which backend and path ("int8" or "float") served each call.
 
 Derived forms of a weight (prepacked, padded, column sums) are cached per tensor, built once per weight version
-and freed with it. A version is the tensor's identity stamp (no host read) and, on the CPU, a content checksum;
+and freed with it; `prepare_int8_linear` / `prepare_int8_conv2d` build the ones the cuda and triton backends
+use when a layer is prepared, so no call inside a CUDA-graph warm-up or capture builds them. A version is the tensor's identity stamp (no host read) and, on the CPU, a content checksum;
 off the CPU, whoever rewrites a weight in place without its version counter (`.data.copy_()`) calls
 `weight_changed(tensor)`, which rebuilds them at once. `release_packed_weight(tensor)` drops them explicitly.
 No INT8 op reads a device value on the host, so they run in CUDA graphs.
@@ -30,14 +31,21 @@ import torch
 
 from .compiled import CompiledOrEager
 from .ops import (
+    int8_conv2d,
+    int8_linear,
+    prepare_int8_conv2d,
+    prepare_int8_linear,
+    record_calls,
+)
+from .policy import (
     BACKENDS,
     BackendUnavailableError,
     backend_for,
+    backend_unavailable_reason,
     force_backend,
     forced_backend,
-    int8_conv2d,
-    int8_linear,
-    record_calls,
+    weight_bits,
+    weight_qmax,
 )
 from .quant import (
     compute_density,
@@ -47,8 +55,6 @@ from .quant import (
     normalized_mse,
     quantize_weight_per_channel,
     set_linear_activation_granularity,
-    weight_bits,
-    weight_qmax,
 )
 from .weight_cache import CACHE as _CACHE
 from .weight_cache import content_checksum, weight_stamp
@@ -70,6 +76,7 @@ __all__ = [
     "BackendUnavailableError",
     "CompiledOrEager",
     "backend_for",
+    "backend_unavailable_reason",
     "compute_density",
     "content_checksum",
     "conv_output_shape",
@@ -80,6 +87,8 @@ __all__ = [
     "int8_linear",
     "linear_activation_granularity",
     "normalized_mse",
+    "prepare_int8_conv2d",
+    "prepare_int8_linear",
     "quantize_weight_per_channel",
     "record_calls",
     "release_packed_weight",

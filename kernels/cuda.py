@@ -79,6 +79,16 @@ def quantize_conv_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return xq, (zero_point - 128).to(torch.int32), scale
 
 
+def prepare_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    prepared_linear_weight(q_weight)
+
+
+def prepare_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   stride: list[int], padding: list[int], dilation: list[int], groups: int) -> None:  # fmt: skip
+    _conv_weight_rows(q_weight, groups)
+    weight_column_sums(q_weight)
+
+
 def linear(
     x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -4,11 +4,13 @@ Registered through `torch.library` so torch.compile/dynamo traces a model contai
 
 Backends (`BACKENDS`, one module each, in one table): every backend module has `available() -> str | None`
 (None when usable, else why not), `linear(x, q_weight, w_scale, bias)` and
-`conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)`, both returning the output; a backend
-that computes some calls in float with the dequantized weight (shapes too small for INT8 to pay) says which
-through `linear_runs_in_float(x, q_weight)` / `conv2d_runs_in_float(x, q_weight, stride, padding, dilation)`. Automatic choice per device: CUDA -> triton, else cuda; CPU -> cpu, else reference;
-anything else -> reference. `force_backend` overrides it in the current thread; `record_calls` counts which
-backend and path served each call made in the current thread.
+`conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)`, both returning the output. Optionally:
+`prepare_linear` / `prepare_conv2d` (the same arguments without x) build a weight's derived forms ahead of the
+first call (`prepare_int8_linear` / `prepare_int8_conv2d`); a backend that computes some calls in float with the
+dequantized weight (shapes too small for INT8 to pay) says which through `linear_runs_in_float(x, q_weight)` /
+`conv2d_runs_in_float(x, q_weight, stride, padding, dilation)`. Automatic choice per device: CUDA -> triton,
+else cuda; CPU -> cpu, else reference; anything else -> reference. `force_backend` overrides it in the current
+thread; `record_calls` counts which backend and path served each call made in the current thread.
 """
 
 from __future__ import annotations
@@ -18,72 +20,20 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from types import ModuleType
 
 import torch
 
-from . import cpu, cuda, reference, triton_backend
+from .policy import BACKEND_MODULES, backend_for
+from .policy import backend_unavailable_reason as backend_unavailable_reason  # where callers looked it up before
 from .quant import conv_output_shape, pair
 
-_TABLE: dict[str, ModuleType] = {"reference": reference, "cpu": cpu, "cuda": cuda, "triton": triton_backend}
-BACKENDS: tuple[str, ...] = tuple(_TABLE)
-AUTO = "auto"
 
-
-class BackendUnavailableError(RuntimeError):
-    """A backend was forced that cannot run here; the message names the reason."""
-
-
-class _ThreadState(threading.local):
+class _Recorders(threading.local):
     def __init__(self) -> None:
-        self.forced = AUTO
         self.recorders: list[Counter] = []
 
 
-_local = _ThreadState()
-
-
-def backend_unavailable_reason(name: str) -> str | None:
-    """None when backend `name` can run here, else the reason it cannot."""
-    if name not in _TABLE:
-        raise ValueError(f"unknown backend {name!r}; expected one of {(AUTO, *BACKENDS)}")
-    return _TABLE[name].available()
-
-
-@contextlib.contextmanager
-def force_backend(name: str) -> Iterator[None]:
-    """Run the INT8 ops of the current thread through one backend: "auto", or one of `BACKENDS`.
-
-    "cuda" also runs on CPU tensors (torch._int_mm is exact there), and so does "triton" under the Triton
-    interpreter. Raises `BackendUnavailableError` (naming the reason) if that backend cannot run here.
-    """
-    if name != AUTO:
-        reason = backend_unavailable_reason(name)
-        if reason is not None:
-            raise BackendUnavailableError(f"INT8 backend {name!r} is unavailable: {reason}")
-    previous = _local.forced
-    _local.forced = name
-    try:
-        yield
-    finally:
-        _local.forced = previous
-
-
-def forced_backend() -> str | None:
-    """The backend `force_backend` put in force in this thread, or None (automatic choice)."""
-    return None if _local.forced == AUTO else _local.forced
-
-
-def backend_for(device: torch.device | str) -> str:
-    """The backend an INT8 op on `device` would run on now, in this thread (a forced backend wins)."""
-    if _local.forced != AUTO:
-        return _local.forced
-    device_type = torch.device(device).type
-    if device_type == "cuda":
-        return "triton" if triton_backend.available() is None else "cuda"
-    if device_type == "cpu":
-        return "cpu" if cpu.available() is None else "reference"
-    return "reference"
+_local = _Recorders()
 
 
 @contextlib.contextmanager
@@ -112,7 +62,7 @@ def _linear_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
     if x.numel() == 0:
         y, path = x.new_zeros(*x.shape[:-1], q_weight.shape[0]), "float"
     else:
-        module = _TABLE[backend]
+        module = BACKEND_MODULES[backend]
         in_float = getattr(module, "linear_runs_in_float", None)
         path = "float" if in_float is not None and in_float(x, q_weight) else "int8"
         y = module.linear(x, q_weight, w_scale, bias)
@@ -127,12 +77,17 @@ def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
     if x.numel() == 0:
         y, path = x.new_zeros(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)), "float"
     else:
-        module = _TABLE[backend]
+        module = BACKEND_MODULES[backend]
         in_float = getattr(module, "conv2d_runs_in_float", None)
         path = "float" if in_float is not None and in_float(x, q_weight, stride, padding, dilation) else "int8"
         y = module.conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
     _record("conv2d", backend, path)
     return y
+
+
+LINEAR_SCHEMA = "(Tensor x, Tensor q_weight, Tensor w_scale, Tensor? bias) -> Tensor"
+CONV2D_SCHEMA = ("(Tensor x, Tensor q_weight, Tensor w_scale, Tensor? bias, int[] stride, int[] padding, "
+                 "int[] dilation, int groups) -> Tensor")
 
 
 def _registered() -> bool:
@@ -157,7 +112,9 @@ elif not hasattr(torch.library, "custom_op"):  # PyTorch before 2.4
     _linear_op, _conv2d_op = _linear_impl, _conv2d_impl
 else:
 
-    @torch.library.custom_op("int8_accel::linear", mutates_args=())
+    # Explicit schemas: before PyTorch 2.7, schema inference rejects string annotations (this module's
+    # `from __future__ import annotations`) and `list[int]`.
+    @torch.library.custom_op("int8_accel::linear", mutates_args=(), schema=LINEAR_SCHEMA)
     def _linear_op(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _linear_impl(x, q_weight, w_scale, bias)
 
@@ -165,7 +122,7 @@ else:
     def _(x, q_weight, w_scale, bias):
         return x.new_empty(*x.shape[:-1], q_weight.shape[0])
 
-    @torch.library.custom_op("int8_accel::conv2d", mutates_args=())
+    @torch.library.custom_op("int8_accel::conv2d", mutates_args=(), schema=CONV2D_SCHEMA)
     def _conv2d_op(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                    stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
         return _conv2d_impl(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
@@ -173,6 +130,23 @@ else:
     @_conv2d_op.register_fake
     def _(x, q_weight, w_scale, bias, stride, padding, dilation, groups):
         return x.new_empty(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation))
+
+
+def prepare_int8_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Build now the derived forms of a Linear weight (padded rows, ...) that the backend serving its device
+    would otherwise build on the first call, where a CUDA-graph warm-up or capture may be running."""
+    prepare = getattr(BACKEND_MODULES[backend_for(q_weight.device)], "prepare_linear", None)
+    if prepare is not None:
+        prepare(q_weight, w_scale, bias)
+
+
+def prepare_int8_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                        stride: int | Sequence[int] = (1, 1), padding: int | Sequence[int] = (0, 0),
+                        dilation: int | Sequence[int] = (1, 1), groups: int = 1) -> None:  # fmt: skip
+    """`prepare_int8_linear` for a Conv2d weight (GEMM rows, column sums) with the layer's conv arguments."""
+    prepare = getattr(BACKEND_MODULES[backend_for(q_weight.device)], "prepare_conv2d", None)
+    if prepare is not None:
+        prepare(q_weight, w_scale, bias, pair(stride), pair(padding), pair(dilation), int(groups))
 
 
 def int8_linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

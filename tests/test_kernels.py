@@ -29,7 +29,7 @@ from comfyui_int8_accel.kernels import (
     int8_linear,
     linear_activation_granularity,
     normalized_mse,
-    ops,
+    policy,
     quantize_weight_per_channel,
     record_calls,
     reference,
@@ -65,7 +65,7 @@ def widths(*backends: str) -> list:
     """(backend, weight bits) cases: 7 bits on every backend, 8 where the backend accumulates exactly."""
     cases = []
     for backend in backends:
-        unavailable = ops.backend_unavailable_reason(backend)
+        unavailable = policy.backend_unavailable_reason(backend)
         for bits in (7, 8):
             marks = []
             if unavailable:
@@ -387,7 +387,7 @@ def test_no_silent_saturation_conv(backend, bits):
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the 16-bit pair sums are x86's")
-@pytest.mark.skipif(ops.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_8bit_weights_clip_on_the_cpu_backend_exactly_when_it_lacks_vnni():
     """Why 7-bit weights exist: without VNNI/AMX, oneDNN multiplies u8 x s8 with `vpmaddubsw`, whose pairwise
     sums saturate at +-32767, so 255 * 127 * 2 clips; 255 * 63 * 2 does not."""
@@ -418,12 +418,12 @@ def test_int_mm_padding_is_exact(m, k, n):
 
 def test_dispatch_table_and_automatic_choice(monkeypatch):
     assert BACKENDS == ("reference", "cpu", "cuda", "triton")
-    assert tuple(ops._TABLE) == BACKENDS
+    assert tuple(policy.BACKEND_MODULES) == BACKENDS
     q, s = quantize_weight_per_channel(torch.randn(64, 128), 63)
     for name in ("reference", "cpu", "cuda"):  # the backends that run on CPU tensors without an interpreter
-        y = ops._TABLE[name].linear(torch.randn(40, 128), q, s, None)
+        y = policy.BACKEND_MODULES[name].linear(torch.randn(40, 128), q, s, None)
         assert isinstance(y, torch.Tensor) and y.shape == (40, 64), name  # every backend returns the output
-    for module in ops._TABLE.values():
+    for module in policy.BACKEND_MODULES.values():
         assert callable(module.available) and callable(module.linear) and callable(module.conv2d)
     assert reference.available() is None and cuda.available() is None
     assert backend_for("cpu") == ("cpu" if cpu.available() is None else "reference")
@@ -481,7 +481,7 @@ def test_force_backend_and_record_calls_are_thread_local():
     assert main_calls == {("linear", "cuda", "int8"): 1}
 
 
-@pytest.mark.skipif(ops.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_record_calls_tells_int8_from_float_paths():
     _, b, q, s = make_linear(8, 16)
     _, b_big, q_big, s_big = make_linear(256, 512)
@@ -505,7 +505,7 @@ def test_record_calls_tells_int8_from_float_paths():
     assert sum(outer.values()) == 5  # calls after the block are not counted
 
 
-@pytest.mark.skipif(ops.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_tiny_shapes_take_the_float_path_consistently():
     w, b, q, s = make_linear(8, 16)
     x = torch.randn(2, 16)
@@ -516,7 +516,7 @@ def test_tiny_shapes_take_the_float_path_consistently():
     assert relative_l2(y, F.linear(x.double(), w, b)) < GAUSS_BOUND[CPU_BITS]
 
 
-@pytest.mark.skipif(ops.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_prepacked_weights_are_cached_once_and_released():
     _, b, q, s = make_linear(256, 512, seed=9)
     x = torch.randn(64, 512)
@@ -657,7 +657,7 @@ def test_compile_fullgraph_matches_eager():
     assert calls == {("conv2d", auto, "int8"): 1, ("linear", auto, "int8"): 1}  # the ops ran, in INT8
 
 
-@pytest.mark.skipif(ops.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_compiled_quantizers_on_large_inputs_match_reference():
     """Inputs above half a million elements go through the torch.compile'd quantizers."""
     w, b, q, s = make_linear(128, 320, seed=11)

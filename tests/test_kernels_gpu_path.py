@@ -167,6 +167,7 @@ def test_cache_entries_die_with_their_weight(off_cpu_cache):
     import gc
 
     q, s, b = weights((36, 100), 8, seed=6)
+    gc.collect()  # entries of weights earlier tests left in reference cycles go now, not during the count
     before = len(CACHE)
     run_on_backend("cuda", int8_linear, torch.randn(20, 100), q, s, b)
     assert len(CACHE) == before + 1
@@ -194,8 +195,40 @@ def test_int8_layers_re_prepare_after_an_in_place_lora(backend, int8_modules, of
         fresh = int8_modules.Int8Conv2d(patched, float_conv.bias.detach(), 1, 1, 1, 1, qmax=127)
         fresh.weight_scale = layer.weight_scale  # the in-place path keeps the base scale
         fresh.weight.data.copy_(layer.weight)
+        weight_changed(fresh.weight)  # a write its version counter misses: its prepared forms are rebuilt
         assert torch.equal(layer(x), fresh(x))
         assert not torch.equal(layer(x), y)
+
+
+@pytest.mark.parametrize("backend", GPU_PATH)
+def test_a_forward_after_preparation_builds_no_derived_weight(backend, int8_modules, off_cpu_cache):
+    """Padded rows and column sums are built when a layer is prepared (built, requantized, or moved to its device
+    and refreshed), never inside a call, where a CUDA-graph warm-up or capture may be running."""
+    torch.manual_seed(0)
+    with force_backend(backend):
+        built = sum(CACHE.builds.values())
+        layers = [
+            (int8_modules.Int8Linear.from_float(torch.nn.Linear(100, 36), qmax=127), torch.randn(2, 17, 100)),
+            (int8_modules.Int8Conv2d.from_float(torch.nn.Conv2d(4, 24, 3, padding=1), qmax=127),
+             torch.randn(1, 4, 9, 9)),
+            (int8_modules.Int8Conv2d.from_float(torch.nn.Conv2d(12, 18, 3, padding=1, groups=3), qmax=127),
+             torch.randn(2, 12, 8, 8)),
+        ]
+        assert sum(CACHE.builds.values()) > built, "preparing built nothing: the test would prove nothing"
+        for layer, x in layers:
+            entries, builds = len(CACHE), Counter(CACHE.builds)
+            layer(x)
+            assert (len(CACHE), CACHE.builds) == (entries, builds), type(layer).__name__
+        # a weight that moved (ComfyUI's load replaces the parameters' data) is prepared by the refresh the loader
+        # runs after loading
+        root = torch.nn.Sequential(*(layer for layer, _ in layers))
+        for layer, _ in layers:
+            layer.weight.data = layer.weight.data.clone()
+        int8_modules.refresh_int8_weights(root)
+        for layer, x in layers:
+            entries, builds = len(CACHE), Counter(CACHE.builds)
+            layer(x)
+            assert (len(CACHE), CACHE.builds) == (entries, builds), type(layer).__name__
 
 
 # ---- no host read ---------------------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -31,10 +34,12 @@ def backend_problem(backend: str, device: torch.device) -> str | None:
         return f"torch.compile backend {backend!r} is not available in this PyTorch"
     if backend == "inductor":
         if device.type == "cpu":
-            from torch._inductor import cpp_builder
+            from torch._inductor import codecache, cpp_builder
 
+            # PyTorch before 2.5 names Inductor's compiler lookup codecache.cpp_compiler
+            find_compiler = getattr(cpp_builder, "get_cpp_compiler", None) or codecache.cpp_compiler
             try:
-                compiler = cpp_builder.get_cpp_compiler()
+                compiler = find_compiler()
             except Exception as exc:  # noqa: BLE001 - any failure means no usable compiler
                 return f"Inductor needs a C++ compiler for the CPU and none was found ({exc})"
             if shutil.which(compiler) is None and not os.path.isfile(compiler):
@@ -54,13 +59,21 @@ def backend_problem(backend: str, device: torch.device) -> str | None:
     return None
 
 
+def _default_inductor_cache_dir() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # PyTorch before 2.5: the same folder, computed inline in runtime_utils.cache_dir
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    return default_cache_dir()
+
+
 def ensure_persistent_cache() -> str:
     """Keep Inductor's compiled artifacts between ComfyUI restarts (FX graph cache in a kept folder)."""
     import torch._inductor.config as inductor_config
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+    if current is None or os.path.abspath(current) == os.path.abspath(_default_inductor_cache_dir()):
         # the default lives in /tmp (wiped on reboot); ComfyUI's user folder is kept
         try:
             import folder_paths

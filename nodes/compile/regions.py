@@ -22,16 +22,18 @@ _region_state = threading.local()
 _compile_started: dict[str, float] = {}
 
 
-def _on_compile_start(args) -> None:
+# PyTorch before 2.5 calls these callbacks without arguments (no compile id): the region name stands in for it.
+def _on_compile_start(args: Any = None) -> None:
     region = getattr(_region_state, "name", None)
     if region is not None:
-        _compile_started[args.compile_id] = time.perf_counter()
-        log.info("int8-accel compile: compiling %s (%s) ...", region, args.compile_id)
+        compile_id = getattr(args, "compile_id", region)
+        _compile_started[compile_id] = time.perf_counter()
+        log.info("int8-accel compile: compiling %s (%s) ...", region, compile_id)
 
 
-def _on_compile_end(args) -> None:
-    started = _compile_started.pop(args.compile_id, None)
+def _on_compile_end(args: Any = None) -> None:
     region = getattr(_region_state, "name", None)
+    started = _compile_started.pop(getattr(args, "compile_id", region), None)
     if started is not None:
         seconds = time.perf_counter() - started
         log.info("int8-accel compile: compiled %s in %.1f s", region, seconds)

@@ -16,6 +16,8 @@ from ...kernels import (
     dequantize_weight,
     int8_conv2d,
     int8_linear,
+    prepare_int8_conv2d,
+    prepare_int8_linear,
     quantize_weight_per_channel,
     weight_changed,
     weight_qmax,
@@ -36,31 +38,53 @@ def effective_weight_and_bias(module: torch.nn.Module) -> tuple[torch.Tensor, to
     return module.weight.detach(), None if module.bias is None else module.bias.detach()
 
 
+COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def held_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an INT8 layer holds its bias in and computes with for a float layer stored in `dtype`: that
+    dtype when the kernels compute in it, else float32 (fp8 storage: ComfyUI computes it in a wider dtype, and
+    Triton cannot load fp8 below sm_89)."""
+    return dtype if dtype in COMPUTE_DTYPES else torch.float32
+
+
 class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
     """Shared state: int8 `weight`, float32 `weight_scale` [out], float `bias`, and the compute dtype."""
 
+    def _own_patch_lists(self) -> None:
+        # CastWeightBiasOp's empty weight_function/bias_function are class attributes, which dynamo before
+        # PyTorch 2.5 cannot read (a graph break in every INT8 layer): each layer holds lists of its own.
+        for name in ("weight_function", "bias_function"):
+            if name not in self.__dict__:
+                setattr(self, name, [])
+
     def _init_quantized(self, weight: torch.Tensor, bias: torch.Tensor | None, qmax: int) -> None:
+        self._own_patch_lists()
         q_weight, scale = quantize_weight_per_channel(weight.float(), qmax)
         self.qmax = qmax
-        self.compute_dtype = weight.dtype
+        self.compute_dtype = held_dtype(weight.dtype)
         self._initializing = True
         self.weight = torch.nn.Parameter(q_weight, requires_grad=False)
         self.register_buffer("weight_scale", scale)
         self.base_weight_scale = scale
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(
+            bias.detach().to(held_dtype(bias.dtype), copy=True), requires_grad=False)
         self._initializing = False
+        self.prepare()
 
     def _init_from_quantized(self, q_weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                              qmax: int, compute_dtype: torch.dtype) -> None:
         """Take already-quantized tensors (a checkpoint's): int8 `q_weight`, float32 `scale` [out]."""
+        self._own_patch_lists()
         self.qmax = qmax
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = held_dtype(compute_dtype)
         self._initializing = True
         self.weight = torch.nn.Parameter(q_weight, requires_grad=False)
         self.register_buffer("weight_scale", scale)
         self.base_weight_scale = scale
-        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.to(held_dtype(bias.dtype)), requires_grad=False)
         self._initializing = False
+        self.prepare()
 
     def __setattr__(self, name: str, value) -> None:
         # ModelPatcher restores a backed-up weight with setattr; the original int8 tensor belongs with the
@@ -106,6 +130,7 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         finally:
             self._in_set_weight = False
         self._buffers["weight_scale"] = scale.to(self.weight.device)
+        self.prepare()
         return None
 
     def _real_units(self, weight: torch.Tensor) -> torch.Tensor:
@@ -117,6 +142,10 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         weight = patched_parameter(self, "weight", self.weight.to(x.device), self._real_units)
         bias = patched_parameter(self, "bias", None if self.bias is None else self.bias.to(x.device))
         return weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+
+    def prepare(self) -> None:
+        """Build the kernels' derived forms of the weight now, on its device (none is built inside a call)."""
+        raise NotImplementedError
 
     def _needs_float_path(self) -> bool:
         return has_weight_patches(self)
@@ -146,8 +175,11 @@ class Int8Linear(_Int8Layer):
     def from_float(cls, module: torch.nn.Linear, qmax: int | None = None) -> Int8Linear:
         weight, bias = effective_weight_and_bias(module)
         layer = cls(weight, bias, qmax)
-        layer.compute_dtype = module.weight.dtype
+        layer.compute_dtype = held_dtype(module.weight.dtype)
         return layer
+
+    def prepare(self) -> None:
+        prepare_int8_linear(self.weight, self.weight_scale, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._needs_float_path():
@@ -174,8 +206,12 @@ class Int8Conv2d(_Int8Layer):
     def from_float(cls, module: torch.nn.Conv2d, qmax: int | None = None) -> Int8Conv2d:
         weight, bias = effective_weight_and_bias(module)
         layer = cls(weight, bias, module.stride, module.padding, module.dilation, module.groups, qmax)
-        layer.compute_dtype = module.weight.dtype
+        layer.compute_dtype = held_dtype(module.weight.dtype)
         return layer
+
+    def prepare(self) -> None:
+        prepare_int8_conv2d(self.weight, self.weight_scale, self.bias, self.stride, self.padding, self.dilation,
+                            self.groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._needs_float_path():
@@ -189,14 +225,17 @@ class Int8Conv2d(_Int8Layer):
 
 
 def refresh_int8_weights(root: torch.nn.Module) -> None:
-    """Rebuild the kernels' derived forms of every INT8 layer under `root` whose weight is off the CPU.
+    """Rebuild the kernels' derived forms of every INT8 layer under `root` whose weight is off the CPU, and
+    build those of weights that have none yet (moved to their device since they were prepared).
 
     ComfyUI restores and hook-patches weights with `param.data.copy_()`, which no version counter sees, and off
     the CPU the kernels' weight cache does not checksum weights (that would wait for the device on every
     call). Call this after ComfyUI may have written weights that way; on the CPU the checksum notices them."""
     for module in root.modules():
-        if isinstance(module, _Int8Layer) and module.weight.device.type != "cpu":
-            weight_changed(module.weight)
+        if isinstance(module, _Int8Layer):
+            if module.weight.device.type != "cpu":
+                weight_changed(module.weight)
+            module.prepare()  # a weight moved to another device since has no derived forms there yet
 
 
 def is_quantizable(module: torch.nn.Module) -> str | None:

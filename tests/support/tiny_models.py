@@ -166,25 +166,33 @@ def tiny_model_config(kind: str):
     return cfg
 
 
-def build_random_model(cfg, seed: int = 0, weight_std: float = 0.02):
-    """A ModelPatcher around the model of ComfyUI model config `cfg`, fp32, random weights N(0, weight_std)."""
+def build_random_model(cfg, seed: int = 0, weight_std: float = 0.02, weight_dtype: torch.dtype | None = None):
+    """A ModelPatcher around the model of ComfyUI model config `cfg`, fp32, random weights N(0, weight_std).
+
+    `weight_dtype` stores the weights in that dtype as UNETLoader's `weight_dtype` does (e.g. fp8_e4m3fn): the
+    model computes in the manual-cast dtype ComfyUI picks for the device."""
     import comfy.model_management
     import comfy.model_patcher
 
-    cfg.set_inference_dtype(torch.float32, None)
+    device = comfy.model_management.get_torch_device()
+    if weight_dtype is None:
+        cfg.set_inference_dtype(torch.float32, None)
+    else:  # comfy.sd.load_diffusion_model_state_dict with model_options {"dtype": weight_dtype}
+        cfg.set_inference_dtype(weight_dtype, comfy.model_management.unet_manual_cast(
+            weight_dtype, device, cfg.supported_inference_dtypes))
     base = cfg.get_model({})
     _fill_weights(base, seed, weight_std)
-    device = comfy.model_management.get_torch_device()
     return comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=torch.device("cpu"))
 
 
 def build_tiny_model(kind: str = "sd15", seed: int = 0, weight_std: float = 0.02,
-                     unet_config: dict | None = None):
-    """A ModelPatcher around a tiny `kind` model (a key of LATENTS) on the CPU, fp32, weights N(0, weight_std);
-    `unet_config` entries replace the tiny configuration's."""
+                     unet_config: dict | None = None, weight_dtype: torch.dtype | None = None):
+    """A ModelPatcher around a tiny `kind` model (a key of LATENTS) on the CPU, fp32 (or stored in
+    `weight_dtype`, see `build_random_model`), weights N(0, weight_std); `unet_config` entries replace the tiny
+    configuration's."""
     cfg = tiny_model_config(kind)
     cfg.unet_config.update(unet_config or {})
-    return build_random_model(cfg, seed, weight_std)
+    return build_random_model(cfg, seed, weight_std, weight_dtype)
 
 
 def make_conditioning(kind: str, batch: int = 1, tokens: int = 8, seed: int = 1,

@@ -1,0 +1,102 @@
+"""Which backend serves a device (`backend_for`, `force_backend`) and how wide weights may be there
+(`weight_bits`): the policy the ops and the layers consult. It imports the backend modules; they import none of
+it (nor `ops`), so the package has no import cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+from . import cpu, cuda, reference, triton_backend
+from .quant import cpu_has_int8_dot_product
+
+BACKEND_MODULES: dict[str, ModuleType] = {"reference": reference, "cpu": cpu, "cuda": cuda, "triton": triton_backend}
+BACKENDS: tuple[str, ...] = tuple(BACKEND_MODULES)
+AUTO = "auto"
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was forced that cannot run here; the message names the reason."""
+
+
+class _ForcedBackend(threading.local):
+    def __init__(self) -> None:
+        self.forced = AUTO
+
+
+_local = _ForcedBackend()
+
+
+def backend_unavailable_reason(name: str) -> str | None:
+    """None when backend `name` can run here, else the reason it cannot."""
+    if name not in BACKEND_MODULES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {(AUTO, *BACKENDS)}")
+    return BACKEND_MODULES[name].available()
+
+
+@contextlib.contextmanager
+def force_backend(name: str) -> Iterator[None]:
+    """Run the INT8 ops of the current thread through one backend: "auto", or one of `BACKENDS`.
+
+    "cuda" also runs on CPU tensors (torch._int_mm is exact there), and so does "triton" under the Triton
+    interpreter. Raises `BackendUnavailableError` (naming the reason) if that backend cannot run here.
+    """
+    if name != AUTO:
+        reason = backend_unavailable_reason(name)
+        if reason is not None:
+            raise BackendUnavailableError(f"INT8 backend {name!r} is unavailable: {reason}")
+    previous = _local.forced
+    _local.forced = name
+    try:
+        yield
+    finally:
+        _local.forced = previous
+
+
+def forced_backend() -> str | None:
+    """The backend `force_backend` put in force in this thread, or None (automatic choice)."""
+    return None if _local.forced == AUTO else _local.forced
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The backend an INT8 op on `device` would run on now, in this thread (a forced backend wins)."""
+    if _local.forced != AUTO:
+        return _local.forced
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        return "triton" if triton_backend.available() is None else "cuda"
+    if device_type == "cpu":
+        return "cpu" if cpu.available() is None else "reference"
+    return "reference"
+
+
+WEIGHT_BITS_ENV = "INT8_ACCEL_WEIGHT_BITS"
+
+
+def weight_bits(device: torch.device | str) -> int:
+    """Weight width the INT8 kernels serving `device` can use without saturating: 8, or 7 ([-63, 63]).
+
+    7 where the cpu backend serves a CPU without VNNI/AMX: there u8 x s8 pairwise sums clip at +-32767 unless
+    |w| <= 63 (255 * 63 * 2 < 32767). 8 everywhere else: CUDA, VNNI/AMX CPUs, and the reference backend (exact
+    on any CPU, e.g. under `force_backend("reference")`). `INT8_ACCEL_WEIGHT_BITS=7` (read at every call)
+    forces 7 bits on any device, so a VNNI machine can exercise the numerics of one without.
+    """
+    forced = os.environ.get(WEIGHT_BITS_ENV, "").strip()
+    if forced == "7":
+        return 7
+    if forced:
+        raise ValueError(f"{WEIGHT_BITS_ENV}={forced!r} is not supported: set it to 7 or leave it unset")
+    if backend_for(device) == "cpu" and not cpu_has_int8_dot_product():
+        return 7
+    return 8
+
+
+def weight_qmax(device: torch.device | str) -> int:
+    """Largest weight magnitude for `device` (see `weight_bits`): 127 for 8-bit weights, 63 for 7-bit ones."""
+    return 127 if weight_bits(device) == 8 else 63
