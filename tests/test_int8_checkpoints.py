@@ -19,6 +19,7 @@ from comfyui_int8_accel.nodes.int8 import apply_int8, settings_from_widgets
 from comfyui_int8_accel.nodes.int8.checkpoint import (
     CONV_LAYOUT,
     CONV_LAYOUT_KEY,
+    CONV_SHAPE_KEY,
     comfy_quant_tensor,
     int8_metadata,
     int8_state_dict,
@@ -77,10 +78,12 @@ def test_format_round_trip_linear_and_conv(comfy_root):
                        "conv.weight_scale", "conv.comfy_quant", "norm.weight"}
     assert torch.equal(sd["norm.weight"], float_sd["norm.weight"])
     assert sd["lin.weight"].dtype == torch.int8 and sd["lin.weight_scale"].dtype == torch.float32
-    assert sd["lin.weight_scale"].shape == (24, 1) and sd["conv.weight_scale"].shape == (8, 1, 1, 1)
+    assert sd["lin.weight_scale"].shape == (24, 1) and sd["conv.weight_scale"].shape == (8, 1)
+    assert sd["conv.weight"].shape == (8, 36)  # rows of the OIHW weight: core 0.38's conv loader refuses it
     assert sd["lin.comfy_quant"].dtype == torch.uint8
     assert json.loads(bytes(sd["lin.comfy_quant"].tolist())) == {"format": "int8_tensorwise"}
-    assert parse_comfy_quant(sd["conv.comfy_quant"]) == {"format": "int8_tensorwise", CONV_LAYOUT_KEY: CONV_LAYOUT}
+    assert parse_comfy_quant(sd["conv.comfy_quant"]) == {"format": "int8_tensorwise", CONV_LAYOUT_KEY: CONV_LAYOUT,
+                                                         CONV_SHAPE_KEY: [8, 4, 3, 3]}
     assert torch.equal(sd["lin.bias"], linear.bias)
 
     for name, layer in (("lin", linear), ("conv", conv)):
@@ -88,7 +91,7 @@ def test_format_round_trip_linear_and_conv(comfy_root):
         assert torch.equal(q_weight, layer.weight) and torch.equal(scale, layer.weight_scale)
         assert scale.shape == (layer.weight.shape[0],) and meta["format"] == "int8_tensorwise"
         # what a reader of the core layout computes (weight * weight_scale) is our dequantized weight
-        assert torch.equal(sd[f"{name}.weight"].float() * sd[f"{name}.weight_scale"],
+        assert torch.equal((sd[f"{name}.weight"].float() * sd[f"{name}.weight_scale"]).reshape(layer.weight.shape),
                            layer.weight.float() * layer._scale_view(layer.weight))
     assert read_int8_layer(sd, "norm") is None and read_int8_layer(float_sd, "lin") is None
 

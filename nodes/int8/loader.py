@@ -27,7 +27,7 @@ import torch
 
 from ...kernels import weight_qmax
 from ..layers import layer_kind
-from .checkpoint import int8_layer_names, read_int8_layer
+from .checkpoint import int8_layer_names, legacy_conv_layers, read_int8_layer, restore_conv_shapes
 from .modules import Int8Conv2d, Int8Linear, _Int8Layer, refresh_int8_weights
 from .plan import int8_module_bytes
 
@@ -206,6 +206,12 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
     loading empties `sd` as it goes, so the caller should not reuse it.
     Raises ValueError when the model type is not recognised, or when an INT8 entry of the file belongs to no
     Linear/Conv2d layer of the model (its int8 values would otherwise be used without their scale)."""
+    restore_conv_shapes(sd)
+    legacy = legacy_conv_layers(sd)
+    if legacy:
+        log.warning("int8-accel: %d INT8 Conv2d entries of this file are in the layout of earlier versions of the "
+                    "pack, which ComfyUI core 0.38 loads without their scale (wrong images, no error); they load "
+                    "correctly here. Save the model again to get the layout core refuses.", len(legacy))
     stored = {}  # the small entries of every INT8 layer, for layers the ops do not build
     for key in int8_layer_names(sd):
         stored[key.removeprefix("model.diffusion_model.")] = {
