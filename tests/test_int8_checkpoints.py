@@ -38,6 +38,7 @@ from tests.support.int8_checks import ALL_INT8, model_bytes, rel
 from tests.support.lora import apply_lora, make_lora
 from tests.support.tiny_models import (
     build_tiny_model,
+    detect_tiny,
     latent_channels,
     make_conditioning,
     sample,
@@ -48,14 +49,6 @@ from tests.support.tiny_models import (
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
-
-
-def detect_tiny(monkeypatch, kind: str) -> None:
-    """ComfyUI's model detection does not recognise the tiny sizes: hand it the tiny model's config."""
-    import comfy.model_detection
-
-    monkeypatch.setattr(comfy.model_detection, "model_config_from_unet",
-                        lambda sd, prefix, use_base_if_no_match=False, metadata=None: tiny_model_config(kind))
 
 
 def all_int8_layers(diffusion_model) -> dict[str, torch.nn.Module]:

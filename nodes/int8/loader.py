@@ -161,9 +161,8 @@ def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dic
         q_weight, scale, _ = read_int8_layer({**entries, "layer.weight": file_weight}, "layer", qmax=_compute_qmax())
         bias = None if module.bias is None else module.bias.detach()
         if kind == "linear":
-            layer = Int8Linear.__new__(Int8Linear)
-            torch.nn.Module.__init__(layer)
-            layer.out_features, layer.in_features = q_weight.shape
+            layer = Int8Linear.from_quantized(q_weight.to(device=device), scale.to(device=device), bias,
+                                              _compute_qmax(), dtype)
         else:
             if module.padding_mode != "zeros" or isinstance(module.padding, str):
                 failed.append(name)
@@ -172,7 +171,8 @@ def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dic
             torch.nn.Module.__init__(layer)
             for attr in ("out_channels", "in_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
                 setattr(layer, attr, getattr(module, attr))
-        layer._init_from_quantized(q_weight.to(device=device), scale.to(device=device), bias, _compute_qmax(), dtype)
+            layer._init_from_quantized(q_weight.to(device=device), scale.to(device=device), bias, _compute_qmax(),
+                                       dtype)
         parent = diffusion_model.get_submodule(parent_name) if parent_name else diffusion_model
         parent._modules[leaf] = layer
     return failed

@@ -17,7 +17,8 @@ writes them (read from Comfy-Org/ComfyUI, 2026-11), and everything else stays 0.
   layer, `Conv2d` included, is `manual_cast`'s, i.e. torch's own `_load_from_state_dict` (0.38 gives
   `disable_weight_init.Conv2d` no loader of its own). Its forward here is the one 0.38 takes on a CPU, where
   `get_disabled_quant_formats` disables every quantized format (`_full_precision_mm`): the weight is dequantized
-  and `F.linear` runs in the input's dtype.
+  and `F.linear` runs in the input's dtype. Its `state_dict` is 0.38's `_quantized_weight_state_dict` (what
+  ComfyUI's memory accounting reads) and its `_apply` 0.38's `_quantized_apply`.
 - Loading the model: comfy/model_base.py `BaseModel.load_model_weights` (0.38) is `load_state_dict(to_load,
   strict=False)`, as in 0.3.75: unexpected keys are logged, a shape mismatch raises.
 """
@@ -30,6 +31,12 @@ import logging
 import torch
 
 CORE_038_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4", "int8_tensorwise")
+
+
+def _is_quantized(weight) -> bool:
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    return isinstance(weight, QuantizedTensor)
 
 
 def detect_layer_quantization(state_dict, prefix):
@@ -151,6 +158,28 @@ def load_quantized_module(module, super_load, state_dict, prefix, local_metadata
             missing_keys.remove(key)
 
 
+def quantized_apply(module, fn, recurse=True):
+    # comfy/ops.py `_quantized_apply` (ComfyUI 0.38): what the mixed-precision Linear's `_apply` runs
+    if recurse:
+        for child in module.children():
+            child._apply(fn)
+    for key, param in module._parameters.items():
+        if param is None:
+            continue
+        p = fn(param)
+        if p.device == param.device and p.dtype == param.dtype:
+            # (not in 0.38's text) 0.3.75 moves the model inside inference mode, where comfy-kitchen 0.2.40's
+            # QuantizedTensor cannot be wrapped in a new Parameter: a move to where the weight already is is skipped
+            continue
+        if (not torch.is_inference_mode_enabled()) and p.is_inference():
+            p = p.clone()
+        module.register_parameter(key, torch.nn.Parameter(p, requires_grad=False))
+    for key, buf in module._buffers.items():
+        if buf is not None:
+            module._buffers[key] = fn(buf)
+    return module
+
+
 def mixed_precision_ops(compute_dtype: torch.dtype = torch.float32, disabled=CORE_038_FORMATS) -> type:
     """0.38's `mixed_precision_ops(quant_config, compute_dtype, disabled=...)` as described in the module doc."""
     import comfy.ops
@@ -185,9 +214,25 @@ def mixed_precision_ops(compute_dtype: torch.dtype = torch.float32, disabled=COR
             def _load_from_state_dict(self, *args):
                 load_quantized_module(self, super()._load_from_state_dict, *args, load_extra_params=True)
 
+            def _apply(self, fn, recurse=True):
+                return quantized_apply(self, fn, recurse)
+
+            def state_dict(self, *args, destination=None, prefix="", **kwargs):
+                # comfy/ops.py `_quantized_weight_state_dict` (0.38), without the extra parameters
+                sd = destination if destination is not None else {}
+                if self.bias is not None:
+                    sd[f"{prefix}bias"] = self.bias
+                if _is_quantized(self.weight):
+                    sd.update(self.weight.state_dict(f"{prefix}weight"))
+                    sd[f"{prefix}comfy_quant"] = torch.tensor(
+                        list(json.dumps({"format": self.quant_format}).encode("utf-8")), dtype=torch.uint8)
+                else:
+                    sd[f"{prefix}weight"] = self.weight
+                return sd
+
             def forward(self, input, *args, **kwargs):
                 weight = self.weight
-                if hasattr(weight, "dequantize"):
+                if _is_quantized(weight):
                     weight = weight.dequantize()
                 bias = None if self.bias is None else self.bias.to(input.dtype)
                 return torch.nn.functional.linear(input, weight.to(input.dtype), bias)
@@ -237,7 +282,7 @@ def core_038_reading(state_dict: dict[str, torch.Tensor], model: torch.nn.Module
         except RuntimeError as exc:
             verdicts[name] = f"refused: {str(exc).splitlines()[-1].strip()}"
             continue
-        loaded = layer.weight.dequantize() if hasattr(layer.weight, "dequantize") else layer.weight
+        loaded = layer.weight.dequantize() if _is_quantized(layer.weight) else layer.weight
         scale = state_dict[key].float().reshape(-1, *([1] * (loaded.ndim - 1)))
         real = weight.float().reshape(shape) * scale
         loaded = loaded.detach().float().reshape(shape)
