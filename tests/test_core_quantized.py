@@ -121,23 +121,29 @@ def core_quantized_sd15(monkeypatch):
     """The tiny SD1.5 as ComfyUI 0.38 loads a checkpoint quantized with comfy-kitchen (mixed int8_tensorwise per
     channel and per tensor, float8_e4m3fn, nvfp4 and unquantized Linear layers): its Linear layers are
     mixed-precision ops holding comfy-kitchen QuantizedTensor weights."""
+    detect_tiny(monkeypatch, "sd15")
+    return load_as_core_038(core_quantized_sd15_file())
+
+
+def core_quantized_sd15_file(format_for=core_format_for) -> dict[str, torch.Tensor]:
+    """The state dict of that checkpoint (each Linear in the format `format_for(name)` gives), as core's
+    mixed-precision ops write it."""
     from comfy_kitchen.tensor import QuantizedTensor
 
-    detect_tiny(monkeypatch, "sd15")
     dm = build_tiny_model("sd15").model.diffusion_model
     sd = dict(dm.state_dict())
     layouts = {"int8_tensorwise": ("TensorWiseINT8Layout", {"per_channel": True}),
                "int8_tensorwise/tensor": ("TensorWiseINT8Layout", {}),
                "float8_e4m3fn": ("TensorCoreFP8Layout", {}), "nvfp4": ("TensorCoreNVFP4Layout", {})}
     for name, module in dm.named_modules():
-        fmt = core_format_for(name) if isinstance(module, torch.nn.Linear) else None
+        fmt = format_for(name) if isinstance(module, torch.nn.Linear) else None
         if fmt is None:
             continue
         layout, kwargs = layouts[fmt]
         quantized = QuantizedTensor.from_float(module.weight.detach(), layout, **kwargs)
         sd.update(quantized.state_dict(f"{name}.weight"))
         sd[f"{name}.comfy_quant"] = comfy_quant_tensor({"format": fmt.split("/")[0]})
-    return load_as_core_038(sd)
+    return sd
 
 
 def test_quantize_model_runs_core_quantized_linears_in_int8(comfy_root, monkeypatch, weight_width):
@@ -222,3 +228,13 @@ def test_a_model_whose_linears_are_all_in_formats_int8_cannot_take_says_so(comfy
     out, report = apply_int8(core, settings_from_widgets(**ALL_INT8))
     assert out is core
     assert "Nothing to quantize" in report and f"its {len(linears)} core-quantized Linear layers (nvfp4)" in report
+
+
+def test_our_loader_refuses_core_formats_it_cannot_read(comfy_root, monkeypatch):
+    """Load Diffusion Model (INT8) on a checkpoint core quantized in float8/nvfp4: a clear error naming the format and
+    what to use instead, not fp8 values loaded into float layers without their scale."""
+    detect_tiny(monkeypatch, "sd15")
+    for fmt in ("float8_e4m3fn", "nvfp4"):
+        with pytest.raises(ValueError, match=rf"'{fmt}' format; this loader reads only 'int8_tensorwise'.*"
+                                             r"ComfyUI's own Load Diffusion Model"):
+            load_int8_state_dict(core_quantized_sd15_file(lambda name, fmt=fmt: fmt if ".attn" in name else None))

@@ -118,7 +118,7 @@ def test_malformed_entries_raise_clear_errors(comfy_root, monkeypatch):
         read_int8_layer({"l.weight": q_weight}, "l")
     with pytest.raises(ValueError, match="expected one value or one per output channel"):
         read_int8_layer({"l.weight": q_weight, "l.weight_scale": torch.ones(3)}, "l")
-    with pytest.raises(ValueError, match="'float8_e4m3fn' is not supported"):
+    with pytest.raises(ValueError, match="'float8_e4m3fn' format; this loader reads only 'int8_tensorwise'"):
         read_int8_layer({"l.weight": q_weight, "l.weight_scale": torch.ones(4),
                          "l.comfy_quant": comfy_quant_tensor({"format": "float8_e4m3fn"})}, "l")
     convrot = {"l.weight": q_weight, "l.weight_scale": torch.ones(4, 1),

@@ -147,7 +147,8 @@ def _largest_magnitude(q_weight: torch.Tensor) -> int:
 def read_int8_layer(state_dict: Mapping[str, torch.Tensor], prefix: str, qmax: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, dict] | None:
     """(int8 weight, float32 scale [out], comfy_quant meta) for layer `prefix` (no trailing dot), or None when
-    its `weight` is not int8 (an ordinary float layer).
+    its `weight` is not int8 (an ordinary float layer). ValueError for a layer `comfy_quant` says is in another
+    format (fp8, nvfp4, ...: its stored values would otherwise be read without their scales).
 
     Accepts per-tensor (shape [] / [1]) and per-output-channel ([out], [out, 1], [out, 1, 1, 1]) scales, and both
     conv layouts (a `conv2d_rows` weight comes back 4-D). A ConvRot layer is dequantized and un-rotated through
@@ -155,16 +156,18 @@ def read_int8_layer(state_dict: Mapping[str, torch.Tensor], prefix: str, qmax: i
     values beyond +-qmax (8-bit weights on a CPU whose kernels take 7 bits) are requantized per channel to fit;
     meta["requantized"] then says why."""
     prefix = prefix.rstrip(".")
+    quant = state_dict.get(f"{prefix}.comfy_quant")
+    meta = parse_comfy_quant(quant) if quant is not None else {"format": FORMAT}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{prefix}: stored in ComfyUI's {meta.get('format')!r} format; this loader reads only "
+                         f"{FORMAT!r} and float layers. Load the file with ComfyUI's own Load Diffusion Model and put "
+                         f"Quantize Model (INT8) after it")
     weight = state_dict.get(f"{prefix}.weight")
     if weight is None or weight.dtype != torch.int8:
         return None
     scale = state_dict.get(f"{prefix}.weight_scale")
     if scale is None:
         raise ValueError(f"{prefix}.weight is int8 but {prefix}.weight_scale is missing")
-    quant = state_dict.get(f"{prefix}.comfy_quant")
-    meta = parse_comfy_quant(quant) if quant is not None else {"format": FORMAT}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{prefix}: INT8 format {meta.get('format')!r} is not supported (only {FORMAT!r})")
     weight = conv_weight_shape(weight, meta, prefix)
     if meta.get("convrot"):
         meta = {**meta, "requantized": "convrot undone"}
