@@ -21,8 +21,8 @@ from tests.conftest import WEIGHT_ERROR_SCALE
 from tests.support import comfy038
 from tests.support.int8_checks import ALL_INT8, rel
 from tests.support.lora import apply_lora, make_lora
-from tests.support.tiny_models import build_tiny_model, latent_channels, make_conditioning, sample
-from tests.test_int8_checkpoints import all_int8_layers, detect_tiny
+from tests.support.tiny_models import build_tiny_model, detect_tiny, latent_channels, make_conditioning, sample
+from tests.test_int8_checkpoints import all_int8_layers
 from tests.test_int8_checkpoints import models_dir as models_dir_fixture  # noqa: F401 (a fixture)
 
 # How ComfyUI hands LoRA to a layer: merged into the weight at load; per forward through 0.3.75's LowVramPatch

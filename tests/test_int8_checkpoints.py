@@ -19,6 +19,7 @@ from comfyui_int8_accel.nodes.int8 import apply_int8, settings_from_widgets
 from comfyui_int8_accel.nodes.int8.checkpoint import (
     CONV_LAYOUT,
     CONV_LAYOUT_KEY,
+    CONV_SHAPE_KEY,
     comfy_quant_tensor,
     int8_metadata,
     int8_state_dict,
@@ -37,6 +38,7 @@ from tests.support.int8_checks import ALL_INT8, model_bytes, rel
 from tests.support.lora import apply_lora, make_lora
 from tests.support.tiny_models import (
     build_tiny_model,
+    detect_tiny,
     latent_channels,
     make_conditioning,
     sample,
@@ -47,14 +49,6 @@ from tests.support.tiny_models import (
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
-
-
-def detect_tiny(monkeypatch, kind: str) -> None:
-    """ComfyUI's model detection does not recognise the tiny sizes: hand it the tiny model's config."""
-    import comfy.model_detection
-
-    monkeypatch.setattr(comfy.model_detection, "model_config_from_unet",
-                        lambda sd, prefix, use_base_if_no_match=False, metadata=None: tiny_model_config(kind))
 
 
 def all_int8_layers(diffusion_model) -> dict[str, torch.nn.Module]:
@@ -77,10 +71,12 @@ def test_format_round_trip_linear_and_conv(comfy_root):
                        "conv.weight_scale", "conv.comfy_quant", "norm.weight"}
     assert torch.equal(sd["norm.weight"], float_sd["norm.weight"])
     assert sd["lin.weight"].dtype == torch.int8 and sd["lin.weight_scale"].dtype == torch.float32
-    assert sd["lin.weight_scale"].shape == (24, 1) and sd["conv.weight_scale"].shape == (8, 1, 1, 1)
+    assert sd["lin.weight_scale"].shape == (24, 1) and sd["conv.weight_scale"].shape == (8, 1)
+    assert sd["conv.weight"].shape == (8, 36)  # rows of the OIHW weight: core 0.38's conv loader refuses it
     assert sd["lin.comfy_quant"].dtype == torch.uint8
     assert json.loads(bytes(sd["lin.comfy_quant"].tolist())) == {"format": "int8_tensorwise"}
-    assert parse_comfy_quant(sd["conv.comfy_quant"]) == {"format": "int8_tensorwise", CONV_LAYOUT_KEY: CONV_LAYOUT}
+    assert parse_comfy_quant(sd["conv.comfy_quant"]) == {"format": "int8_tensorwise", CONV_LAYOUT_KEY: CONV_LAYOUT,
+                                                         CONV_SHAPE_KEY: [8, 4, 3, 3]}
     assert torch.equal(sd["lin.bias"], linear.bias)
 
     for name, layer in (("lin", linear), ("conv", conv)):
@@ -88,7 +84,7 @@ def test_format_round_trip_linear_and_conv(comfy_root):
         assert torch.equal(q_weight, layer.weight) and torch.equal(scale, layer.weight_scale)
         assert scale.shape == (layer.weight.shape[0],) and meta["format"] == "int8_tensorwise"
         # what a reader of the core layout computes (weight * weight_scale) is our dequantized weight
-        assert torch.equal(sd[f"{name}.weight"].float() * sd[f"{name}.weight_scale"],
+        assert torch.equal((sd[f"{name}.weight"].float() * sd[f"{name}.weight_scale"]).reshape(layer.weight.shape),
                            layer.weight.float() * layer._scale_view(layer.weight))
     assert read_int8_layer(sd, "norm") is None and read_int8_layer(float_sd, "lin") is None
 
@@ -122,7 +118,7 @@ def test_malformed_entries_raise_clear_errors(comfy_root, monkeypatch):
         read_int8_layer({"l.weight": q_weight}, "l")
     with pytest.raises(ValueError, match="expected one value or one per output channel"):
         read_int8_layer({"l.weight": q_weight, "l.weight_scale": torch.ones(3)}, "l")
-    with pytest.raises(ValueError, match="'float8_e4m3fn' is not supported"):
+    with pytest.raises(ValueError, match="'float8_e4m3fn' format; this loader reads only 'int8_tensorwise'"):
         read_int8_layer({"l.weight": q_weight, "l.weight_scale": torch.ones(4),
                          "l.comfy_quant": comfy_quant_tensor({"format": "float8_e4m3fn"})}, "l")
     convrot = {"l.weight": q_weight, "l.weight_scale": torch.ones(4, 1),

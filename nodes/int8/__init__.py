@@ -9,6 +9,7 @@ import comfy.patcher_extension
 import torch
 
 from ...kernels import backend_for, forced_backend
+from .core_layers import core_layers_left
 from .plan import WRAPPER_KEY, Int8Plan, find_candidates, unwrap_compiled
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
 
@@ -36,8 +37,13 @@ def apply_int8(model, settings: QuantizeSettings, node_id: str | None = None):
         return model, why
     candidates = find_candidates(unwrap_compiled(diffusion_model))
     if not any(settings.kind_enabled(kind) for _, kind in candidates.values()):
+        left = core_layers_left(unwrap_compiled(diffusion_model))
         why = ("no Linear or Conv2d layer the INT8 path supports" if not candidates else
                "every layer kind is disabled or has an error threshold of 0")
+        if left and not candidates:
+            formats = sorted({reason.split(":")[0] for reason in left.values()})
+            why += (f"; its {len(left)} core-quantized Linear layers ({', '.join(formats)}) run as ComfyUI runs "
+                    f"them, as the INT8 path takes only int8_tensorwise, float8 and float layers")
         return model, f"Nothing to quantize ({why}): the model is returned unchanged."
     quantized = model.clone()
     plan = Int8Plan(settings, node_id=node_id)

@@ -32,6 +32,7 @@ class LayerMeasurement:
     decision: str = ""
     float_ms: float | None = None  # the speed gate's timings of this layer's call (None: not timed)
     int8_ms: float | None = None
+    source: str = ""  # a core-quantized layer's format and how its INT8 weights were made ("": a float layer)
 
     @property
     def macs(self) -> int:
@@ -58,6 +59,7 @@ class CalibrationResult:
     backend: str = ""
     kernel_calls: dict[str, int] = field(default_factory=dict)  # INT8 op calls of the checking step, by path
     memory: dict[str, int] = field(default_factory=dict)  # model_float_bytes, int8_bytes, calibration_peak_int8_bytes
+    left_to_core: dict[str, str] = field(default_factory=dict)  # core-quantized layers in formats INT8 cannot take
     created: float = field(default_factory=time.time)
 
     @property
@@ -80,7 +82,7 @@ class CalibrationResult:
         return cls(key=data["key"], shape=data["shape"], layers=layers, model_error=data.get("model_error"),
                    int8_flop_fraction=data.get("int8_flop_fraction", 0.0), seconds=data.get("seconds", 0.0),
                    backend=data.get("backend", ""), kernel_calls=data.get("kernel_calls", {}),
-                   memory=data.get("memory", {}),
+                   memory=data.get("memory", {}), left_to_core=data.get("left_to_core", {}),
                    created=data.get("created", 0.0))
 
 

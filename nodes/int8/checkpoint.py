@@ -11,11 +11,14 @@ ComfyUI core's layout, per quantized Linear `<prefix>` (core reads Linear layers
 
 Every other tensor stays as it was (float).
 
-Our extension for Conv2d (core does NOT read conv entries: a core loader that does not know it would load the
-int8 values into a float layer without their scale, so such files are for this pack's loader): the same three
-keys, `weight` int8 [out, in/groups, kh, kw] (OIHW), `weight_scale` float32 [out, 1, 1, 1] (again
-weight * weight_scale is the real weight), and `comfy_quant` JSON `{"format": "int8_tensorwise",
-"int8_accel_layout": "conv2d_oihw"}`.
+Our extension for Conv2d (core reads no INT8 conv): the same three keys with the weight stored as the rows of
+its GEMM matrix, `weight` int8 [out, in/groups * kh * kw] (the OIHW weight flattened per output channel),
+`weight_scale` float32 [out, 1], and `comfy_quant` JSON `{"format": "int8_tensorwise", "int8_accel_layout":
+"conv2d_rows", "int8_accel_shape": [out, in/groups, kh, kw]}`. ComfyUI 0.38 builds such a layer as a plain
+`manual_cast.Conv2d` (4-D weight), so torch's shape check refuses the file with a "size mismatch" error instead of
+loading int8 values without their scale; a reader that takes the entry as a Linear reads it as the conv's GEMM
+matrix, with its scale. Files written before that layout keep the 4-D `weight` with `"int8_accel_layout":
+"conv2d_oihw"` and a [out, 1, 1, 1] scale, which core 0.38 misreads (no error); this pack still loads them.
 
 Our own layers are symmetric per output channel; `qmax` is 127, or 63 where the CPU kernels take 7-bit weights
 (a 7-bit-weight file is still valid int8_tensorwise: its values just stay within +-63). Settings and the
@@ -25,6 +28,7 @@ calibration report travel as safetensors `__metadata__` strings (`int8_metadata`
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -33,7 +37,9 @@ from ...kernels import quantize_weight_per_channel
 
 FORMAT = "int8_tensorwise"
 CONV_LAYOUT_KEY = "int8_accel_layout"
-CONV_LAYOUT = "conv2d_oihw"
+CONV_LAYOUT = "conv2d_rows"  # 2-D weight on disk: a loader that knows only 4-D conv weights refuses it
+CONV_SHAPE_KEY = "int8_accel_shape"
+LEGACY_CONV_LAYOUT = "conv2d_oihw"  # 4-D weight on disk (files of earlier versions): core 0.38 misreads these
 FORMAT_VERSION = "1"
 METADATA_PREFIX = "int8_accel."
 
@@ -66,11 +72,12 @@ def layer_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     meta = {"format": FORMAT}
     if q_weight.ndim == 4:
         meta[CONV_LAYOUT_KEY] = CONV_LAYOUT
+        meta[CONV_SHAPE_KEY] = list(q_weight.shape)
     elif q_weight.ndim != 2:
         raise ValueError(f"an INT8 layer's weight must be 2-D (Linear) or 4-D (Conv2d), got {list(q_weight.shape)}")
     out = {
-        "weight": q_weight.contiguous().cpu(),
-        "weight_scale": scale.reshape(-1, *([1] * (q_weight.ndim - 1))).contiguous().cpu(),
+        "weight": q_weight.reshape(q_weight.shape[0], -1).contiguous().cpu(),
+        "weight_scale": scale.reshape(-1, 1).contiguous().cpu(),
         "comfy_quant": comfy_quant_tensor(meta),
     }
     if getattr(layer, "bias", None) is not None:
@@ -140,26 +147,81 @@ def _largest_magnitude(q_weight: torch.Tensor) -> int:
 def read_int8_layer(state_dict: Mapping[str, torch.Tensor], prefix: str, qmax: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, dict] | None:
     """(int8 weight, float32 scale [out], comfy_quant meta) for layer `prefix` (no trailing dot), or None when
-    its `weight` is not int8 (an ordinary float layer).
+    its `weight` is not int8 (an ordinary float layer). ValueError for a layer `comfy_quant` says is in another
+    format (fp8, nvfp4, ...: its stored values would otherwise be read without their scales).
 
-    Accepts per-tensor (shape [] / [1]) and per-output-channel ([out], [out, 1], [out, 1, 1, 1]) scales. A ConvRot
-    layer is dequantized and un-rotated through comfy-kitchen (ValueError when it is not installed) and
-    requantized per channel. With `qmax`, weights with values beyond +-qmax (8-bit weights on a CPU whose kernels
-    take 7 bits) are requantized per channel to fit; meta["requantized"] then says why."""
+    Accepts per-tensor (shape [] / [1]) and per-output-channel ([out], [out, 1], [out, 1, 1, 1]) scales, and both
+    conv layouts (a `conv2d_rows` weight comes back 4-D). A ConvRot layer is dequantized and un-rotated through
+    comfy-kitchen (ValueError when it is not installed) and requantized per channel. With `qmax`, weights with
+    values beyond +-qmax (8-bit weights on a CPU whose kernels take 7 bits) are requantized per channel to fit;
+    meta["requantized"] then says why."""
     prefix = prefix.rstrip(".")
+    quant = state_dict.get(f"{prefix}.comfy_quant")
+    meta = parse_comfy_quant(quant) if quant is not None else {"format": FORMAT}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{prefix}: stored in ComfyUI's {meta.get('format')!r} format; this loader reads only "
+                         f"{FORMAT!r} and float layers. Load the file with ComfyUI's own Load Diffusion Model and put "
+                         f"Quantize Model (INT8) after it")
     weight = state_dict.get(f"{prefix}.weight")
     if weight is None or weight.dtype != torch.int8:
         return None
     scale = state_dict.get(f"{prefix}.weight_scale")
     if scale is None:
         raise ValueError(f"{prefix}.weight is int8 but {prefix}.weight_scale is missing")
-    quant = state_dict.get(f"{prefix}.comfy_quant")
-    meta = parse_comfy_quant(quant) if quant is not None else {"format": FORMAT}
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{prefix}: INT8 format {meta.get('format')!r} is not supported (only {FORMAT!r})")
-    if weight.ndim == 4 and meta.get(CONV_LAYOUT_KEY, CONV_LAYOUT) != CONV_LAYOUT:
-        raise ValueError(f"{prefix}: unknown conv layout {meta.get(CONV_LAYOUT_KEY)!r}")
-    out_channels = weight.shape[0]
+    weight = conv_weight_shape(weight, meta, prefix)
+    if meta.get("convrot"):
+        meta = {**meta, "requantized": "convrot undone"}
+    elif qmax is not None and _largest_magnitude(weight) > qmax:
+        meta = {**meta, "requantized": f"values beyond +-{qmax}"}
+    return (*int8_weight_and_scale(weight, scale, meta, prefix, qmax), meta)
+
+
+def conv_weight_shape(weight: torch.Tensor, meta: Mapping, prefix: str) -> torch.Tensor:
+    """`weight` in the shape its layer computes with: a `conv2d_rows` entry as a 4-D view, anything else as is
+    (ValueError for a conv layout this reader does not know, or a stored shape that does not fit)."""
+    layout = meta.get(CONV_LAYOUT_KEY)
+    if layout is None or (layout == LEGACY_CONV_LAYOUT and weight.ndim == 4):
+        return weight
+    if layout != CONV_LAYOUT:
+        raise ValueError(f"{prefix}: unknown conv layout {layout!r}")
+    shape = [int(size) for size in meta.get(CONV_SHAPE_KEY) or ()]
+    if weight.ndim == 4 and list(weight.shape) == shape:
+        return weight
+    if len(shape) != 4 or weight.ndim != 2 or shape[0] != weight.shape[0] or math.prod(shape) != weight.numel():
+        raise ValueError(f"{prefix}: conv weight stored as {list(weight.shape)} does not fit its "
+                         f"{CONV_SHAPE_KEY} {shape}")
+    return weight.view(shape)
+
+
+def restore_conv_shapes(state_dict: dict[str, torch.Tensor]) -> int:
+    """Give every `conv2d_rows` conv weight of `state_dict` its 4-D shape again (a view, in place in the dict), so
+    that model detection and loading see the layer's real shape. Returns how many it reshaped."""
+    restored = 0
+    for key in [key for key in state_dict if key.endswith(".comfy_quant")]:
+        prefix = key[: -len(".comfy_quant")]
+        weight = state_dict.get(f"{prefix}.weight")
+        if weight is None or weight.ndim != 2 or weight.dtype != torch.int8:
+            continue
+        meta = parse_comfy_quant(state_dict[key])
+        if meta.get(CONV_LAYOUT_KEY) is not None:
+            state_dict[f"{prefix}.weight"] = conv_weight_shape(weight, meta, prefix)
+            restored += 1
+    return restored
+
+
+def legacy_conv_layers(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the INT8 conv entries written in the layout of earlier versions (4-D weight, `conv2d_oihw`)."""
+    return [key[: -len(".comfy_quant")] for key in state_dict if key.endswith(".comfy_quant")
+            and getattr(state_dict.get(key[: -len(".comfy_quant")] + ".weight"), "ndim", 0) == 4
+            and parse_comfy_quant(state_dict[key]).get(CONV_LAYOUT_KEY) == LEGACY_CONV_LAYOUT]
+
+
+def int8_weight_and_scale(q_weight: torch.Tensor, scale: torch.Tensor, meta: Mapping, prefix: str,
+                          qmax: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scale [out]) from an int8_tensorwise weight and its scale as ComfyUI stores them
+    (per tensor or per output channel, optionally ConvRot-rotated), fit to `qmax` when given: the int8 values are
+    kept as they are where they can be, else requantized per channel from their real values."""
+    out_channels = q_weight.shape[0]
     scale = scale.detach().to(torch.float32)
     if scale.numel() == 1:
         scale = scale.reshape(1).expand(out_channels).clone()
@@ -168,18 +230,15 @@ def read_int8_layer(state_dict: Mapping[str, torch.Tensor], prefix: str, qmax: i
     else:
         raise ValueError(f"{prefix}.weight_scale has shape {list(scale.shape)}: expected one value or one per "
                          f"output channel ({out_channels})")
-    q_weight = weight
     if meta.get("convrot"):
-        if weight.ndim != 2:
+        if q_weight.ndim != 2:
             raise ValueError(f"{prefix}: convrot is defined for Linear weights only")
-        float_weight = _convrot_dequantize(weight, scale, meta.get("convrot_groupsize", 256), prefix)
-        q_weight, scale = quantize_weight_per_channel(float_weight.float(), qmax or 127)
-        meta = {**meta, "requantized": "convrot undone"}
-    elif qmax is not None and _largest_magnitude(weight) > qmax:
-        view = scale.view(-1, *([1] * (weight.ndim - 1)))
-        q_weight, scale = quantize_weight_per_channel(weight.float() * view, qmax)
-        meta = {**meta, "requantized": f"values beyond +-{qmax}"}
-    return q_weight, scale, meta
+        float_weight = _convrot_dequantize(q_weight, scale, meta.get("convrot_groupsize", 256), prefix)
+        return quantize_weight_per_channel(float_weight.float(), qmax or 127)
+    if qmax is not None and _largest_magnitude(q_weight) > qmax:
+        view = scale.view(-1, *([1] * (q_weight.ndim - 1)))
+        return quantize_weight_per_channel(q_weight.float() * view, qmax)
+    return q_weight, scale
 
 
 def int8_layer_names(state_dict: Mapping[str, torch.Tensor]) -> list[str]:

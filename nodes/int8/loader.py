@@ -28,7 +28,7 @@ import torch
 from ...kernels import weight_qmax
 from ..comfy_contracts import loader_accepts_disable_dynamic, set_cached_patcher_init
 from ..layers import layer_kind
-from .checkpoint import int8_layer_names, read_int8_layer
+from .checkpoint import int8_layer_names, legacy_conv_layers, read_int8_layer, restore_conv_shapes
 from .modules import Int8Conv2d, Int8Linear, _Int8Layer, refresh_int8_weights
 from .plan import int8_module_bytes
 
@@ -162,9 +162,8 @@ def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dic
         q_weight, scale, _ = read_int8_layer({**entries, "layer.weight": file_weight}, "layer", qmax=_compute_qmax())
         bias = None if module.bias is None else module.bias.detach()
         if kind == "linear":
-            layer = Int8Linear.__new__(Int8Linear)
-            torch.nn.Module.__init__(layer)
-            layer.out_features, layer.in_features = q_weight.shape
+            layer = Int8Linear.from_quantized(q_weight.to(device=device), scale.to(device=device), bias,
+                                              _compute_qmax(), dtype)
         else:
             if module.padding_mode != "zeros" or isinstance(module.padding, str):
                 failed.append(name)
@@ -173,7 +172,8 @@ def _rescue_plain_layers(diffusion_model: torch.nn.Module, stored: dict[str, dic
             torch.nn.Module.__init__(layer)
             for attr in ("out_channels", "in_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
                 setattr(layer, attr, getattr(module, attr))
-        layer._init_from_quantized(q_weight.to(device=device), scale.to(device=device), bias, _compute_qmax(), dtype)
+            layer._init_from_quantized(q_weight.to(device=device), scale.to(device=device), bias, _compute_qmax(),
+                                       dtype)
         parent = diffusion_model.get_submodule(parent_name) if parent_name else diffusion_model
         parent._modules[leaf] = layer
     return failed
@@ -208,6 +208,12 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
     `disable_dynamic` asks a ComfyUI with dynamic VRAM for its plain ModelPatcher (ignored by one without).
     Raises ValueError when the model type is not recognised, or when an INT8 entry of the file belongs to no
     Linear/Conv2d layer of the model (its int8 values would otherwise be used without their scale)."""
+    restore_conv_shapes(sd)
+    legacy = legacy_conv_layers(sd)
+    if legacy:
+        log.warning("int8-accel: %d INT8 Conv2d entries of this file are in the layout of earlier versions of the "
+                    "pack, which ComfyUI core 0.38 loads without their scale (wrong images, no error); they load "
+                    "correctly here. Save the model again to get the layout core refuses.", len(legacy))
     stored = {}  # the small entries of every INT8 layer, for layers the ops do not build
     for key in int8_layer_names(sd):
         stored[key.removeprefix("model.diffusion_model.")] = {

@@ -24,6 +24,13 @@ from ...kernels import (
 )
 from ..comfy_contracts import has_weight_patches, patched_parameter, patches_in_forward
 from ..layers import layer_kind
+from .core_layers import (
+    core_compute_dtype,
+    core_float_weight,
+    core_linear_format,
+    int8_parts_of_core_linear,
+    runs_in_int8,
+)
 
 
 def effective_weight_and_bias(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -180,6 +187,30 @@ class Int8Linear(_Int8Layer):
 
     def prepare(self) -> None:
         prepare_int8_linear(self.weight, self.weight_scale, self.bias)
+    @classmethod
+    def from_quantized(cls, q_weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, qmax: int,
+                       compute_dtype: torch.dtype) -> Int8Linear:
+        """From already-quantized tensors: int8 `q_weight` [out, in], float32 `scale` [out]."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = q_weight.shape
+        layer._init_from_quantized(q_weight, scale, bias, qmax, compute_dtype)
+        return layer
+
+    @classmethod
+    def from_core(cls, module: torch.nn.Module, qmax: int | None = None) -> Int8Linear:
+        """From a Linear ComfyUI core loaded from a quantized checkpoint (see `core_layers`): an int8_tensorwise
+        layer keeps its int8 values and scale, any other is quantized from its real-valued weight."""
+        qmax = qmax or weight_qmax(module.weight.device)
+        compute_dtype = core_compute_dtype(module)
+        parts = int8_parts_of_core_linear(module, qmax)
+        if parts is not None:
+            bias = None if module.bias is None else module.bias.detach()
+            return cls.from_quantized(*parts, bias, qmax, compute_dtype)
+        weight, bias = core_float_weight(module)
+        layer = cls(weight, bias, qmax)
+        layer.compute_dtype = compute_dtype
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._needs_float_path():
@@ -239,8 +270,12 @@ def refresh_int8_weights(root: torch.nn.Module) -> None:
 
 
 def is_quantizable(module: torch.nn.Module) -> str | None:
-    """'linear' / 'conv' when `module` is an ordinary float layer the INT8 path supports, else None."""
+    """'linear' / 'conv' when `module` is an ordinary float layer the INT8 path supports, or a Linear ComfyUI core
+    loaded from a quantized checkpoint in a format the INT8 path can take ('linear'), else None."""
     kind = layer_kind(module)
+    if kind is None:
+        fmt = core_linear_format(module)
+        return "linear" if fmt is not None and runs_in_int8(fmt) and module.weight.device.type != "meta" else None
     if kind not in ("linear", "conv"):
         return None
     weight = module.weight

@@ -29,6 +29,7 @@ from ..page import show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_report, load_result, save_result
 from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
+from .core_layers import core_layer_source, core_layers_left, core_linear_format
 from .modules import Int8Conv2d, Int8Linear, is_quantizable
 from .report import format_report
 from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
@@ -283,9 +284,11 @@ class Int8Plan:
         """The INT8 copy of float layer `module`; `qmax` is the weight width of the device that computes with it
         (default: the one its weight is on)."""
         with torch.inference_mode(False), torch.no_grad():
-            if kind == "linear":
+            if kind == "conv":
+                return Int8Conv2d.from_float(module, qmax)
+            if core_linear_format(module) is None:
                 return Int8Linear.from_float(module, qmax)
-            return Int8Conv2d.from_float(module, qmax)
+            return Int8Linear.from_core(module, qmax)
 
     # --- calibration ---------------------------------------------------------------------------------
     def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str):
@@ -313,7 +316,7 @@ class Int8Plan:
                     n = weight.shape[0]
                     m = output.shape[0] * output.shape[2] * output.shape[3]
                 row = LayerMeasurement(name=name, kind=kind, weight_shape=list(weight.shape), m=m, k=k, n=n,
-                                       density=compute_density(m, k, n), error=None)
+                                       density=compute_density(m, k, n), error=None, source=core_layer_source(module))
                 # One layer at a time: only a layer that passes the kind and density gates is quantized, and its
                 # INT8 copy is kept only if it passes the error gate too.
                 if self.settings.kind_enabled(kind) and row.density >= self.settings.compute_density_threshold:
@@ -346,7 +349,8 @@ class Int8Plan:
         layers = [measurements[name] for name in candidates if name in measurements]
         for layer in layers:
             layer.decision = decide(layer, self.settings)
-        result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers, backend=backend_for(args[0].device))
+        result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers, backend=backend_for(args[0].device),
+                                   left_to_core=core_layers_left(root))
         chosen = set(result.chosen)
         self._modules = {name: module for name, module in self._modules.items() if name in chosen}
         self._uncount_dropped(base_model)

@@ -17,8 +17,11 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         shape = "x".join(str(d) for d in layer.weight_shape)
         float_ms = "-" if layer.float_ms is None else f"{layer.float_ms:.3f}"
         int8_ms = "-" if layer.int8_ms is None else f"{layer.int8_ms:.3f}"
+        source = f" [core {layer.source}]" if layer.source else ""
         lines.append(f"{layer.name:<58} {layer.kind:<6} {shape:<20} {layer.density:>9.1f} {error:>10} "
-                     f"{float_ms:>9} {int8_ms:>9}  {layer.decision}")
+                     f"{float_ms:>9} {int8_ms:>9}  {layer.decision}{source}")
+    for name, why in result.left_to_core.items():
+        lines.append(f"{name:<58} {'linear':<6} {'-':<20} {'-':>9} {'-':>10} {'-':>9} {'-':>9}  core {why}")
     chosen = [layer for layer in result.layers if layer.quantized]
     float_bytes = sum(weight_bytes.get(layer.name, 0) for layer in chosen)
     int8_bytes = sum(layer.k * layer.n + 4 * layer.n for layer in chosen)
@@ -31,6 +34,9 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         f"INT8; weights of those layers {float_bytes / 2**20:.1f} MiB float -> {int8_bytes / 2**20:.1f} MiB INT8 "
         f"({(float_bytes - int8_bytes) / 2**20:.1f} MiB smaller; the float originals stay loaded so LoRA and "
         f"float layers keep working); whole-model output norm. MSE {model_error}")
+    core_line = _core_formats_line(result)
+    if core_line:
+        lines.append(core_line)
     timed = [layer for layer in result.layers if layer.int8_ms is not None]
     if timed:
         slower = sum(1 for layer in timed if layer.decision == "float: slower in INT8")
@@ -53,3 +59,19 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
             f"layer calls ran the INT8 kernels and {result.kernel_calls.get('float', 0)} ran in float with the "
             f"INT8-rounded weights (shapes too small for INT8 to pay on this device)")
     return "\n".join(lines)
+
+
+def _core_formats_line(result: CalibrationResult) -> str:
+    """How many layers of each core-quantized format there were, and what became of them."""
+    counts: dict[str, list[int]] = {}
+    for layer in result.layers:
+        if layer.source:
+            seen = counts.setdefault(layer.source.split(":")[0], [0, 0])
+            seen[0] += 1
+            seen[1] += layer.quantized
+    parts = [f"{fmt} {total} ({int8} in INT8)" for fmt, (total, int8) in counts.items()]
+    left: dict[str, int] = {}
+    for why in result.left_to_core.values():
+        left[why.split(":")[0]] = left.get(why.split(":")[0], 0) + 1
+    parts += [f"{fmt} {total} (left as ComfyUI runs them: no INT8 path for this format)" for fmt, total in left.items()]
+    return "core-quantized layers: " + ", ".join(parts) if parts else ""

@@ -332,8 +332,7 @@ def _stored_as(kind: str, storage: str, monkeypatch):
     the compute dtype for this GPU and casts per layer where it must; and the fp32 model it came from."""
     import comfy.sd
 
-    from tests.support.tiny_models import build_tiny_model
-    from tests.test_int8_checkpoints import detect_tiny
+    from tests.support.tiny_models import build_tiny_model, detect_tiny
 
     detect_tiny(monkeypatch, kind)
     source = build_tiny_model(kind, seed=5)

@@ -166,6 +166,14 @@ def tiny_model_config(kind: str):
     return cfg
 
 
+def detect_tiny(monkeypatch, kind: str) -> None:
+    """ComfyUI's model detection does not recognise the tiny sizes: hand it the tiny model's config."""
+    import comfy.model_detection
+
+    monkeypatch.setattr(comfy.model_detection, "model_config_from_unet",
+                        lambda sd, prefix, use_base_if_no_match=False, metadata=None: tiny_model_config(kind))
+
+
 def build_random_model(cfg, seed: int = 0, weight_std: float = 0.02, weight_dtype: torch.dtype | None = None):
     """A ModelPatcher around the model of ComfyUI model config `cfg`, fp32, random weights N(0, weight_std).
 
