@@ -17,6 +17,11 @@ from .speed import speed_gate_enabled
 CACHE_FORMAT_VERSION = 3
 _SAMPLE_WORDS = 256
 
+INT8 = "int8"
+# The float decisions, by the gate that decided them (the report and the decision picture name that gate).
+FLOAT_BY_GATE = {"kind": "float: kind disabled", "density": "float: density below threshold",
+                 "error": "float: error above threshold", "speed": "float: slower in INT8"}
+
 
 @dataclass
 class LayerMeasurement:
@@ -38,7 +43,7 @@ class LayerMeasurement:
 
     @property
     def quantized(self) -> bool:
-        return self.decision == "int8"
+        return self.decision == INT8
 
 
 @dataclass
@@ -53,6 +58,7 @@ class CalibrationResult:
     kernel_calls: dict[str, int] = field(default_factory=dict)  # INT8 op calls of the checking step, by path
     memory: dict[str, int] = field(default_factory=dict)  # model_float_bytes, int8_bytes, calibration_peak_int8_bytes
     created: float = field(default_factory=time.time)
+    weight_bits: int = 0  # width of the INT8 weights (8, or 7 on CPUs without VNNI); 0: not recorded
 
     @property
     def chosen(self) -> list[str]:
@@ -69,20 +75,29 @@ class CalibrationResult:
         return cls(key=data["key"], shape=data["shape"], layers=layers, model_error=data.get("model_error"),
                    int8_flop_fraction=data.get("int8_flop_fraction", 0.0), seconds=data.get("seconds", 0.0),
                    backend=data.get("backend", ""), kernel_calls=data.get("kernel_calls", {}),
-                   memory=data.get("memory", {}),
-                   created=data.get("created", 0.0))
+                   memory=data.get("memory", {}), created=data.get("created", 0.0),
+                   weight_bits=data.get("weight_bits", 0))
 
 
 def decide(layer: LayerMeasurement, settings: QuantizeSettings) -> str:
+    """The layer's decision: INT8, or float named by the first gate it fails (kind, density, error, speed)."""
     if not settings.kind_enabled(layer.kind):
-        return "float: kind disabled"
+        return FLOAT_BY_GATE["kind"]
     if layer.density < settings.compute_density_threshold:
-        return "float: density below threshold"
+        return FLOAT_BY_GATE["density"]
     if layer.error is None or layer.error > settings.threshold_for(layer.kind):
-        return "float: error above threshold"
+        return FLOAT_BY_GATE["error"]
     if layer.float_ms is not None and layer.int8_ms is not None and layer.int8_ms >= layer.float_ms:
-        return "float: slower in INT8"
-    return "int8"
+        return FLOAT_BY_GATE["speed"]
+    return INT8
+
+
+def decisive_gate(layer: LayerMeasurement) -> str:
+    """The gate that kept the layer in float (kind, density, error, speed), or "all passed" for an INT8 layer."""
+    for gate, decision in FLOAT_BY_GATE.items():
+        if layer.decision == decision:
+            return gate
+    return "all passed"
 
 
 def _tensor_digest(tensor: torch.Tensor) -> bytes:

@@ -272,6 +272,16 @@ def parse_int8_report(text: str) -> Int8Summary | None:
                        tuple(int(d) for d in latent.group(1).split(",")), text)
 
 
+def report_table_rows(text: str) -> dict[str, list[str]]:
+    """{layer name: its cells} from the report's markdown table (header and rule rows left out)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) > 1 and cells[0] != "layer" and not set(cells[0]) <= set("-:"):
+            rows[cells[0]] = cells
+    return rows
+
+
 def node_of(prompt: dict, class_type: str) -> str:
     ids = [k for k, v in prompt.items() if v["class_type"] == class_type]
     assert len(ids) == 1, f"expected one {class_type}, found {ids}"
