@@ -373,7 +373,8 @@ def without_quantize(prompt: dict) -> dict:
     quant = node_of(prompt, "Int8AccelQuantize")
     source = prompt.pop(quant)["inputs"]["model"]
     for node_id, node in list(prompt.items()):
-        if node["class_type"] == "Int8AccelSaveModel" or any(value == [quant, 1] for value in node["inputs"].values()):
+        if node["class_type"] == "Int8AccelSaveModel" or any(value in ([quant, 1], [quant, 2])
+                                                             for value in node["inputs"].values()):
             del prompt[node_id]
             continue
         for name, value in node["inputs"].items():
