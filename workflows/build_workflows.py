@@ -235,7 +235,7 @@ def _note(wf: Workflow, heading: str, lines: list[str]) -> Node:
                   text=f"## {heading}\n\n" + "\n".join(f"- {line}" for line in lines))
 
 
-def _report(wf: Workflow, quant: Node, pos: tuple[int, int], size: tuple[int, int] = (780, 360)) -> Node:
+def _report(wf: Workflow, quant: Node, pos: tuple[int, int], size: tuple[int, int] = (780, 520)) -> Node:
     """Preview as Text on the Quantize node's report output and Preview Image on its decision picture, side by
     side, so the page shows which layers run in INT8 and why."""
     report = wf.add("PreviewAny", pos, size, "INT8 report", source=(quant, 1))
@@ -360,7 +360,7 @@ def sd15_compare() -> Workflow:
            images=(stitch, 0))
     wf.group("Baseline", (840, -40, 620, 380), "#3f789e")
     wf.group("Accelerated (INT8 + DeepCache)", (840, 400, 620, 380), "#8A8")
-    _report(wf, quant, (380, 800), (440, 300))
+    _report(wf, quant, (380, 800))
     return wf
 
 
