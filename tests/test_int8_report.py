@@ -4,6 +4,9 @@ run in the real ComfyUI in-process on a tiny SD1.5, before and after the samplin
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +26,10 @@ def isolated_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def node(pack):
-    return pack.NODE_CLASS_MAPPINGS["Int8AccelQuantize"].PREPARE_CLASS_CLONE({"unique_id": "7"})
+    """The node class as ComfyUI runs it for node 7 of a prompt."""
+    from comfy_api.latest import io
+
+    return pack.NODE_CLASS_MAPPINGS["Int8AccelQuantize"].PREPARE_CLASS_CLONE({io.Hidden.unique_id: "7"})
 
 
 def run_node(node, model, **overrides):
@@ -101,3 +107,43 @@ def test_picture_of_a_model_with_nothing_to_quantize_says_why(comfy_root, node):
     same, report, picture = run_node(node, model, quantize_conv="disable", quantize_linear="disable")
     assert same is model and report.startswith("Nothing to quantize")
     assert tuple(picture.shape) == (1, *PICTURE_SIZE, 3) and float(picture.min()) < 0.5  # text drawn on white
+
+
+def test_calibration_pushes_its_summary_and_picture_onto_the_node(comfy_root, node, monkeypatch):
+    """When calibration ends, during sampling, the summary line and the decision picture go to the Quantize node
+    in the page (the picture as a PNG in ComfyUI's temp folder, named in an `executed` message as an output node's
+    images are), before the next queue returns them as outputs."""
+    import sys
+    import types
+
+    import folder_paths
+    from PIL import Image
+
+
+    sent: list[tuple] = []
+
+    class FakeServer:
+        client_id = "client"
+
+        def send_sync(self, event, data, sid=None):
+            sent.append((event, data, sid))
+
+        def send_progress_text(self, text, node_id, sid=None):
+            sent.append(("progress_text", {"node": node_id, "text": text}, sid))
+
+    # ComfyUI's server module needs the whole app (main.py); in-process its PromptServer is stood in for
+    fake_server_module = types.ModuleType("server")
+    fake_server_module.PromptServer = types.SimpleNamespace(instance=FakeServer())
+    monkeypatch.setitem(sys.modules, "server", fake_server_module)
+    quantized, _, _ = run_node(node, build_tiny_model("sd15"), **ALL_INT8)
+    sample(quantized, "sd15", steps=2)
+    texts = [data for event, data, _ in sent if event == "progress_text"]
+    assert len(texts) == 1 and texts[0]["node"] == "7" and texts[0]["text"].startswith("summary: ")
+    (executed,) = [data for event, data, _ in sent if event == "executed"]
+    assert executed["node"] == executed["display_node"] == "7"
+    (image,) = executed["output"]["images"]
+    assert image["type"] == "temp"
+    with Image.open(Path(folder_paths.get_temp_directory()) / image["subfolder"] / image["filename"]) as picture:
+        assert picture.size == PICTURE_SIZE[::-1]
+        pixels = torch.from_numpy(np.asarray(picture.convert("RGB"), dtype=np.float32) / 255)[None]
+    assert int8_points(pixels) > 0

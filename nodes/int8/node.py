@@ -30,8 +30,9 @@ class Int8AccelQuantize(io.ComfyNode):
                 "inputs, and layers that pass both gates (error and compute density) switch to INT8 from the "
                 "next step on. The decision is cached on disk per model, LoRA, settings and latent size, so "
                 "later runs skip calibration. Calibration happens while the sampler runs, after this node ran: "
-                "its summary then shows on this node, and the next queue of the prompt returns the full report "
-                "and the decision picture (until then the picture says calibration is pending)."),
+                "its summary and the decision picture then show on this node, and the next queue of the prompt "
+                "returns the full report and the picture as outputs (until then the picture says calibration is "
+                "pending)."),
             inputs=[
                 io.Model.Input("model", tooltip="The model to accelerate. It is cloned, never modified."),
                 io.Int.Input("bits", default=8, min=8, max=8, step=1, tooltip=(

@@ -24,11 +24,12 @@ import comfy.utils
 import torch
 
 from ...kernels import backend_for, compute_density, normalized_mse, record_calls, release_packed_weight, weight_bits
-from ..page import show_on_node
+from ..page import show_image_on_node, show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
 from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
 from .modules import Int8Conv2d, Int8Linear, is_quantizable
+from .picture import decision_picture
 from .report import format_report, summary_line
 from .settings import QuantizeSettings
 from .speed import call_signature, speed_gate_enabled, time_float_and_int8
@@ -294,8 +295,11 @@ class Int8Plan:
         if save:
             save_result(result, fingerprint, self.settings)
             log.info("int8-accel:\n%s", report)
-            show_on_node(summary_line(result, from_cache=False) + "\n\nQueue the prompt again to see the "
-                         "per-layer table and the decision picture.", self.node_id)
+            summary = summary_line(result, from_cache=False)
+            show_on_node(summary + "\n\nQueue the prompt again to see the per-layer table and the decision "
+                         "picture.", self.node_id)
+            if self.node_id is not None:
+                show_image_on_node(decision_picture(result, self.settings, summary), self.node_id)
         else:
             log.info("int8-accel: calibration cache hit for latent %s: %d layers in INT8", result.shape,
                      len(result.chosen))
