@@ -238,11 +238,14 @@ class ComfyServer:
             raise
         return self.wait(prompt_id, timeout=timeout, on_event=on_event, ws=ws)
 
-    def output_images(self, history_entry: dict) -> list[Path]:
+    def output_images(self, history_entry: dict, kinds: tuple[str, ...] = ("output",)) -> list[Path]:
+        """Files of the run's images of these `kinds`: by default the saved ones, not previews ("temp")."""
         paths = []
         for output in history_entry.get("outputs", {}).values():
             for image in output.get("images", []):
                 kind = image.get("type", "output")
+                if kind not in kinds:
+                    continue
                 folder = {"output": self.output_dir, "input": self.root / "input"}.get(
                     kind, (self.base_dir or self.root) / kind)
                 paths.append(folder / image.get("subfolder", "") / image["filename"])

@@ -41,6 +41,7 @@ from tests.support.workflows_common import (  # noqa: F401  (int8_save_session, 
     parse_int8_report,
     release_models_unless_sd15,
     report_preview,
+    report_table_rows,
     resident_int8_logged,
     save_nodes,
     strip_meta,
@@ -237,7 +238,9 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, int8_
         resident = resident_int8_logged(server, log_from)
         assert len(resident) == 1 and sum(resident[0]) > 0, f"{name}: no layer loaded as resident INT8: {resident}"
     else:
-        _assert_report_shown(page, name, api, result["history"])
+        history = _assert_report_shown(page, server, name, api, result["history"])
+        _assert_report_readable_and_picture_shown(page, name, api, history)
+        _screenshot_report(page, name, api)
     assert page.page_errors == [], page.page_errors
     print(f"{name}: ran from the page in {time.time() - start:.1f} s")
     release_models_unless_sd15(server, name)
@@ -254,21 +257,83 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, int8_
         shutil.copyfile(shot, readme_shot)
 
 
-def _assert_report_shown(page, name: str, api: dict, history: dict) -> None:
+def _assert_report_shown(page, server, name: str, api: dict, history: dict) -> dict:
     """The INT8 report is shown in the page by Preview as Text, as the run left it in /history: a table with
     layers in INT8, or 'calibration pending' when this run calibrated, whose summary then reached the
-    Quantize node as progress text."""
+    Quantize node as progress text; the prompt is then queued again, as a person does, for the full report.
+    Returns the history of the run whose report the page shows."""
     preview_id, quant_id = report_preview(api), node_of(api, "Int8AccelQuantize")
     report = history["outputs"][preview_id]["text"][0]
-    shown = page.wait_for_function(
-        "(id) => { const n = window.app.graph.getNodeById(Number(id));"
-        " const w = n && (n.widgets || []).find(w => w.name === 'preview'); return w && w.value ? w.value : null; }",
-        arg=preview_id, timeout=60_000).json_value()
-    assert shown == report, f"{name}: the page shows {shown[:300]!r}, the run returned {report[:300]!r}"
     if report.startswith(PENDING):
+        _assert_preview_text(page, name, preview_id, report)
         summaries = [text for node, text in page.progress_texts if node == quant_id and "layers in INT8" in text]
         assert summaries, f"{name}: calibration ran, but no summary reached the Quantize node: {page.progress_texts}"
         assert int(summaries[-1].split("summary: ")[1].split("/")[0]) > 0, summaries[-1]
-    else:
-        summary = parse_int8_report(report)
-        assert summary is not None and summary.int8 > 0, f"{name}: {report[-2000:]}"
+        with page.expect_response(lambda r: r.url.endswith("/api/prompt") and r.request.method == "POST") as posted:
+            page.evaluate("() => window.app.queuePrompt(0, 1)")
+        result = server.wait(posted.value.json()["prompt_id"], timeout=600)
+        assert result["history"].get("status", {}).get("status_str") == "success", name
+        history = result["history"]
+        report = history["outputs"][preview_id]["text"][0]
+    assert not report.startswith(PENDING), f"{name}: still pending after a second run: {report[:300]}"
+    _assert_preview_text(page, name, preview_id, report)
+    summary = parse_int8_report(report)
+    assert summary is not None and summary.int8 > 0, f"{name}: {report[-2000:]}"
+    return history
+
+
+def _assert_preview_text(page, name: str, preview_id: str, report: str) -> None:
+    """Preview as Text shows `report`, the text the run returned."""
+    current = ("(id) => { const n = window.app.graph.getNodeById(Number(id));"
+               " const w = n && (n.widgets || []).find(w => w.name === 'preview'); return w ? w.value : null; }")
+    try:
+        page.wait_for_function(f"([id, report]) => ({current})(id) === report", arg=[preview_id, report],
+                               timeout=60_000)
+    except Exception:  # noqa: BLE001 - timed out: say what the page shows instead
+        shown = page.evaluate(current, preview_id) or ""
+        pytest.fail(f"{name}: the page shows {shown[:300]!r}, the run returned {report[:300]!r}")
+
+
+def _assert_report_readable_and_picture_shown(page, name: str, api: dict, history: dict) -> None:
+    """What a person sees: the report node's rendered text begins with the summary line and keeps the per-layer
+    table as table rows (one per layer, not one run-on paragraph), and Preview Image displays the decision
+    picture the run returned."""
+    preview_id, quant_id = report_preview(api), node_of(api, "Int8AccelQuantize")
+    report = history["outputs"][preview_id]["text"][0]
+    dom = page.evaluate(
+        """(id) => { const n = window.app.graph.getNodeById(Number(id));
+            const el = n.widgets.find(w => w.name === 'preview').element.querySelector('.ProseMirror');
+            const rows = [...el.querySelectorAll('table tr')];
+            return {first: el.firstElementChild.innerText, paragraphs: el.querySelectorAll('p').length,
+                    rows: rows.map(r => [...r.querySelectorAll('td, th')].map(c => c.innerText.trim()))}; }""",
+        preview_id)
+    assert dom["first"].startswith("summary: ") and dom["first"] == report.split("\n")[0], (name, dom["first"])
+    layers = report_table_rows(report)
+    assert dom["rows"][0][0] == "layer" and len(dom["rows"]) == len(layers) + 1, (name, len(dom["rows"]))
+    assert {row[0]: row for row in dom["rows"][1:]} == layers, name
+    assert dom["paragraphs"] >= 3, (name, dom["paragraphs"])  # summary and details stay separate paragraphs
+    picture_id = next(k for k, v in api.items() if v["class_type"] == "PreviewImage"
+                      and v["inputs"]["images"] == [quant_id, 2])
+    assert history["outputs"][picture_id]["images"], f"{name}: the run returned no decision picture"
+    size = page.wait_for_function(
+        "(id) => { const n = window.app.graph.getNodeById(Number(id));"
+        " return n && n.imgs && n.imgs.length && n.imgs[0].complete && n.imgs[0].naturalWidth"
+        " ? [n.imgs[0].naturalWidth, n.imgs[0].naturalHeight] : null; }", arg=picture_id, timeout=60_000).json_value()
+    assert size == [768, 512], (name, size)
+
+
+def _screenshot_report(page, name: str, api: dict) -> None:
+    """browser_<name>_report.png: the canvas at full scale on the report and the picture, as a person reads them;
+    the README's docs/int8-report-screenshot.png comes from SCREENSHOT_WORKFLOW's (refreshed on request)."""
+    preview_id = report_preview(api)
+    page.evaluate(
+        """(id) => { const n = window.app.graph.getNodeById(Number(id)); const ds = window.app.canvas.ds;
+            ds.scale = 1; ds.offset = [80 - n.pos[0], 140 - n.pos[1]]; window.app.canvas.setDirty(true, true); }""",
+        preview_id)
+    page.wait_for_timeout(800)
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / f"browser_{name}_report.png"
+    page.screenshot(path=str(shot))
+    readme_shot = REPO_ROOT / "docs" / "int8-report-screenshot.png"
+    if name == SCREENSHOT_WORKFLOW and (os.environ.get("UPDATE_DOCS_SCREENSHOT") == "1" or not readme_shot.exists()):
+        shutil.copyfile(shot, readme_shot)

@@ -12,6 +12,7 @@ from comfyui_int8_accel.kernels import record_calls
 from tests.conftest import WEIGHT_ERROR_SCALE
 from tests.support.lora import apply_lora, make_lora
 from tests.support.tiny_models import build_tiny_model, sample
+from tests.support.workflows_common import report_table_rows
 
 KINDS = ["sd15", "sdxl", "flux", "sd3"]
 
@@ -58,7 +59,7 @@ def test_node_declares_the_six_documented_parameters(pack):
     assert spec["conv_mse_threshold"][1]["default"] == 0.1 and spec["linear_mse_threshold"][1]["max"] == 1.0
     assert spec["compute_density_threshold"][1]["default"] == 300
     assert all(options.get("tooltip") for _, options in spec.values())
-    assert node.GET_NODE_INFO_V1()["output"] == ["MODEL", "STRING"]
+    assert node.GET_NODE_INFO_V1()["output"] == ["MODEL", "STRING", "IMAGE"]
     assert spec["bits"][1]["min"] == spec["bits"][1]["max"] == 8  # the page offers only what is supported
 
 
@@ -198,8 +199,9 @@ def test_speed_gate_keeps_int8_only_where_it_is_faster(comfy_root, quant, monkey
     assert rows["out.2"].decision == "int8"
     assert all(layer.float_ms is not None for layer in rows.values() if layer.error is not None)
     assert "input_blocks.0.0" not in plan._modules and "out.2" in plan._modules
-    report_rows = [line for line in plan.last_report.splitlines() if line.startswith(("input_blocks.0.0 ", "out.2 "))]
-    assert len(report_rows) == 2 and all(len(line.split()) >= 8 for line in report_rows)
+    report_rows = report_table_rows(plan.last_report)
+    assert report_rows["input_blocks.0.0"][-2:] == ["speed", "float: slower in INT8"]
+    assert report_rows["out.2"][-2:] == ["all passed", "int8"] and report_rows["out.2"][5] != "-"
     assert "speed gate:" in plan.last_report and "stay float as slower in INT8" in plan.last_report
 
     monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "0")  # off: a decision of its own, no timings
@@ -247,7 +249,7 @@ def test_report_rows_and_summary(comfy_root, quant):
     assert "norm. MSE" in report and "density" in report
     assert "% of the model's FLOPs in INT8" in report and "whole-model output norm. MSE" in report
     first = plan_of(out).last_result.layers[0]
-    assert any(line.startswith(first.name) and "int8" in line for line in report.splitlines())
+    assert report_table_rows(report)[first.name][-1] == "int8"
     # The node's STRING output gives the cached report on the next run with the same settings.
     _, again = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
     assert first.name in again and "summary:" in again

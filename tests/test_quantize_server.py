@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from tests.support.workflows_common import int8_report, without_quantize
+from tests.support.workflows_common import int8_report, report_table_rows, without_quantize
 
 pytestmark = pytest.mark.server
 SIZE, STEPS, SEED, DENSITY = 128, 3, 7, 16
@@ -41,7 +41,7 @@ def test_object_info_describes_the_quantize_node(server):
     assert list(required) == ["model", "bits", "quantize_conv", "quantize_linear", "conv_mse_threshold",
                               "linear_mse_threshold", "compute_density_threshold"]
     assert info["display_name"] == "Quantize Model (INT8)"
-    assert info["output"] == ["MODEL", "STRING"]
+    assert info["output"] == ["MODEL", "STRING", "IMAGE"]
 
 
 def _image_bytes(server, result: dict) -> bytes:
@@ -66,8 +66,7 @@ def test_int8_txt2img_on_full_size_checkpoint_runs_layers_in_int8(server, sd15_c
     log = server.log_tail(2_000_000)
     assert "layers in INT8" in log and ("int8-accel: calibrating" in log or "calibration cache hit" in log)
     # Why not the node's default density threshold (300): at this size (almost) no layer reaches it.
-    rows = [line.split() for line in summary.text.splitlines() if line.split()[1:2] in (["linear"], ["conv"])]
-    densities = [float(row[3]) for row in rows]
+    densities = [float(cells[3]) for cells in report_table_rows(summary.text).values()]
     assert len(densities) == summary.total
     assert sum(d >= 300 for d in densities) <= 0.05 * summary.total
     assert 0.5 * summary.total < summary.int8 <= sum(d >= DENSITY for d in densities)

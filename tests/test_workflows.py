@@ -63,7 +63,7 @@ def test_each_ui_workflow_has_an_api_twin_a_note_and_the_page_format():
         assert {"last_node_id", "last_link_id", "nodes", "links", "groups", "config", "extra"} <= set(ui)
         assert ui["last_node_id"] == max(n["id"] for n in ui["nodes"])
         assert ui["last_link_id"] == max(link[0] for link in ui["links"])
-        notes = [n for n in ui["nodes"] if n["type"] == "Note"]
+        notes = [n for n in ui["nodes"] if n["type"] == "MarkdownNote"]
         assert len(notes) == 1 and len(notes[0]["widgets_values"][0]) > 200, f"{name}: needs one explaining Note"
         used |= {n["type"] for n in ui["nodes"]}
         # links: [id, from_node, from_slot, to_node, to_slot, type], mirrored on both ends
@@ -92,10 +92,16 @@ def test_every_quantize_node_shows_its_report_and_quantizes_at_the_workflow_size
         assert ui_preview["type"] == "PreviewAny"
         _, src, src_slot, _, _, link_type = ui_links[ui_preview["inputs"][0]["link"]]
         assert (str(src), src_slot, link_type) == (quants[0], 1, "STRING"), name
+        pictures = [k for k, v in api.items() if v["class_type"] == "PreviewImage"
+                    and v["inputs"]["images"] == [quants[0], 2]]
+        assert len(pictures) == 1, f"{name}: the decision picture (Quantize output 2) is not previewed"
+        ui_picture = next(n for n in ui["nodes"] if str(n["id"]) == pictures[0])
+        assert ui_links[ui_picture["inputs"][0]["link"]][1:3] + [ui_links[ui_picture["inputs"][0]["link"]][5]] == [
+            int(quants[0]), 2, "IMAGE"], name
         settings = api[quants[0]]["inputs"]
         assert settings["compute_density_threshold"] < 100, f"{name}: density threshold too high for a CPU size"
         assert settings["conv_mse_threshold"] > 0 and settings["linear_mse_threshold"] > 0, name
-        note = next(n for n in ui["nodes"] if n["type"] == "Note")["widgets_values"][0]
+        note = next(n for n in ui["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
         assert f"compute_density_threshold {settings['compute_density_threshold']}" in note, (
             f"{name}: the Note must say why these settings")
         assert "layers in INT8" in note and "Preview as Text" in note, name
@@ -119,7 +125,7 @@ def test_save_workflow_writes_the_file_the_load_workflow_reads_with_the_same_sam
         return [settings, texts, latent, prompt[node_of(prompt, "CheckpointLoaderSimple")]["inputs"]]
 
     assert sampling(load) == sampling(save)
-    note = next(n for n in load_ui(INT8_LOAD)["nodes"] if n["type"] == "Note")["widgets_values"][0]
+    note = next(n for n in load_ui(INT8_LOAD)["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
     assert INT8_SAVE in note and int8_file_name() in note, "the load workflow's Note says where its file comes from"
 
 

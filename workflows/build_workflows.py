@@ -39,19 +39,20 @@ SOCKETS: dict[str, tuple[list[tuple[str, str]], list[tuple[str, str]]]] = {
     "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [("IMAGE", "IMAGE")]),
     "SaveImage": ([("images", "IMAGE")], []),
     "ImageStitch": ([("image1", "IMAGE"), ("image2", "IMAGE")], [("IMAGE", "IMAGE")]),
-    "Int8AccelQuantize": ([("model", "MODEL")], [("MODEL", "MODEL"), ("STRING", "STRING")]),
+    "Int8AccelQuantize": ([("model", "MODEL")], [("MODEL", "MODEL"), ("STRING", "STRING"), ("IMAGE", "IMAGE")]),
     "Int8AccelDeepCache": ([("model", "MODEL")], [("MODEL", "MODEL")]),
     "Int8AccelCompile": ([("model", "MODEL")], [("MODEL", "MODEL")]),
     "Int8AccelSaveModel": ([("model", "MODEL"), ("after_sampling", "LATENT")], []),
     "Int8AccelLoadModel": ([], [("MODEL", "MODEL")]),
     "PreviewAny": ([("source", "*")], []),  # ComfyUI's "Preview as Text": shows the INT8 report in the page
+    "PreviewImage": ([("images", "IMAGE")], []),  # shows the INT8 decision picture
     "UNETLoader": ([], [("MODEL", "MODEL")]),
     "CLIPLoader": ([], [("CLIP", "CLIP")]),
     "VAELoader": ([], [("VAE", "VAE")]),
     "ModelSamplingSD3": ([("model", "MODEL")], [("MODEL", "MODEL")]),
     "EmptyHunyuanLatentVideo": ([], [("LATENT", "LATENT")]),
     "SaveAnimatedWEBP": ([("images", "IMAGE")], []),
-    "Note": ([], []),
+    "MarkdownNote": ([], []),
 }
 # Widget names in INPUT_TYPES order (what widgets_values holds, positionally).
 WIDGETS: dict[str, list[str]] = {
@@ -70,15 +71,16 @@ WIDGETS: dict[str, list[str]] = {
     "Int8AccelSaveModel": ["filename_prefix", "bake_lora", "int8_layers"],
     "Int8AccelLoadModel": ["unet_name"],
     "PreviewAny": [],  # its text box is filled by the run and not saved
+    "PreviewImage": [],
     "UNETLoader": ["unet_name", "weight_dtype"],
     "CLIPLoader": ["clip_name", "type", "device"],  # device: an optional (advanced) widget, saved all the same
     "VAELoader": ["vae_name"],
     "ModelSamplingSD3": ["shift"],
     "EmptyHunyuanLatentVideo": ["width", "height", "length", "batch_size"],
     "SaveAnimatedWEBP": ["filename_prefix", "fps", "lossless", "quality", "method"],
-    "Note": ["text"],
+    "MarkdownNote": ["text"],
 }
-VIRTUAL = {"Note"}  # frontend-only nodes: never part of the API prompt
+VIRTUAL = {"MarkdownNote"}  # frontend-only nodes: never part of the API prompt
 
 POSITIVE = "a lighthouse on a cliff at sunset, oil painting"
 NEGATIVE = "blurry, low quality"
@@ -147,7 +149,7 @@ class Workflow:
             }
             if node.title:
                 entry["title"] = node.title
-            if node.type == "Note":
+            if node.type == "MarkdownNote":
                 entry["color"], entry["bgcolor"] = "#432", "#653"
             ui_nodes.append(entry)
         return {
@@ -213,44 +215,42 @@ INT8_LAYERS = {"sd15": "229/282", "sdxl": "218/239", "sd3": "64/85",  # at SIZE 
                "wan21": "43/46"}  # at WAN_SIZE
 AT_300 = {"sd15": "none of its 282 layers", "sdxl": "none of its 239 layers", "sd3": "none of its 85 layers",
           "wan21": "none of its 46 layers"}
-ALSO_FLOAT = {"sd15": " and, at this size, the 2x2-token deepest level", "sdxl": "", "sd3": "", "wan21": ""}
 
 
-def _settings_note(family: str, size: int | str) -> str:
+REPORT_LINE = ("**Read it:** *INT8 report* (Preview as Text) gives the summary line, then one row per layer; "
+               "*INT8 decision* (Preview Image) pictures it. A first queue with new settings calibrates (its summary "
+               "shows on the Quantize node); queue again to see both.")
+
+
+def _settings_line(family: str, size: int | str) -> str:
     size = f"{size}x{size}" if isinstance(size, int) else size
-    return (
-        f"\n\nQuantize settings: error thresholds 0.1 (the defaults) and compute_density_threshold {DENSITY} "
-        "instead of the default 300. Density is M*K*N / (M*K + K*N + M*N), M being the tokens of both CFG "
-        "halves. Which threshold suits your device: NVIDIA GPUs and VNNI/AMX CPUs 0-100; CPUs without VNNI, "
-        "at 512 px and up, 100 (on the full-size SD1.5 there INT8 won in all 246 layers at density 100 and above "
-        "and in 1 of 36 below; on a busy machine only above 300, hence the safe default). At "
-        f"{size} this model has {AT_300[family]} reaching 300, so the default would keep it in float. "
-        f"{DENSITY} keeps in float the layers that see "
-        f"one vector per image (timestep and embedding projections){ALSO_FLOAT[family]}, and lets the layers "
-        f"working on image or text tokens compete on their error: measured {INT8_LAYERS[family]} layers in INT8 "
-        f"at {size} (CPU, this random checkpoint, speed gate off). Calibration's speed gate then times "
-        "each of them and keeps INT8 only where it is faster on your device, so at this small size a CPU keeps "
-        "many in float. With real weights some layers fail the error test and stay in float.\n\n"
-        "Preview as Text shows the node's report. The first run of new settings says the calibration is pending "
-        "(it runs on the first sampling step; its summary line then appears on the Quantize node); queue again "
-        "to see one row per layer and 'summary: N/M layers in INT8'.")
+    return (f"**Settings:** compute_density_threshold {DENSITY} for this small CPU size ({INT8_LAYERS[family]} "
+            f"layers in INT8 at {size}; the default 300 admits {AT_300[family]}). GPUs and VNNI CPUs: 0-100; "
+            "CPUs without VNNI at 512 px and up: 100. Why: README, Shipped workflows.")
 
 
-def _report(wf: Workflow, quant: Node, pos: tuple[int, int], size: tuple[int, int] = (780, 260)) -> Node:
-    """Preview as Text on the Quantize node's report output, so the page shows which layers run in INT8."""
-    return wf.add("PreviewAny", pos, size, "INT8 report", source=(quant, 1))
+def _note(wf: Workflow, heading: str, lines: list[str]) -> Node:
+    """The workflow's note: a heading and a few short lines (the longer reasoning is in the README)."""
+    return wf.add("MarkdownNote", (0, 0), (780, 220), "What this shows",
+                  text=f"## {heading}\n\n" + "\n".join(f"- {line}" for line in lines))
+
+
+def _report(wf: Workflow, quant: Node, pos: tuple[int, int], size: tuple[int, int] = (780, 520)) -> Node:
+    """Preview as Text on the Quantize node's report output and Preview Image on its decision picture, side by
+    side, so the page shows which layers run in INT8 and why."""
+    report = wf.add("PreviewAny", pos, size, "INT8 report", source=(quant, 1))
+    wf.add("PreviewImage", (pos[0] + size[0] + 40, pos[1]), (540, 420), "INT8 decision", images=(quant, 2))
+    return report
 
 
 def sd15_int8() -> Workflow:
     wf = Workflow("sd15_int8_txt2img", "SD1.5 txt2img with INT8")
-    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
-        "SD1.5 text-to-image through Quantize Model (INT8).\n\n"
-        "The node swaps each Linear / Conv2d layer whose INT8 error stays under its MSE threshold and whose "
-        "work is large enough (compute density) for an INT8 version; the rest stay in float. Its second "
-        "output is a text report of what was quantized. LoRA loaded before or after it keeps working.\n\n"
-        f"Checkpoint: {SD15} is the random-weight test model made by `python -m scripts.make_checkpoint`; "
-        f"pick your own SD1.5 checkpoint. {SIZE}x{SIZE} and 4 steps keep it quick on a CPU: use 512x512 and 20+ "
-        "steps for real pictures." + _settings_note("sd15", SIZE)))
+    _note(wf, "SD1.5 text-to-image with INT8", [
+        "**Graph:** Load Checkpoint -> Quantize Model (INT8) -> KSampler. LoRA before or after the Quantize node "
+        "keeps working.",
+        REPORT_LINE,
+        f"**Real models:** pick your SD1.5 checkpoint ({SD15} is a random-weight test model), 512x512, 20+ steps.",
+        _settings_line("sd15", SIZE)])
     made = {}
 
     def chain(loader: Node):
@@ -264,15 +264,13 @@ def sd15_int8() -> Workflow:
 
 def sdxl_int8_deepcache() -> Workflow:
     wf = Workflow("sdxl_int8_deepcache", "SDXL with INT8 + DeepCache")
-    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
-        "SDXL text-to-image with two accelerations stacked: Quantize Model (INT8), then DeepCache.\n\n"
-        "DeepCache runs the full UNet only every `cache_interval` steps; in between it reuses the deep "
-        "features of the last full step and recomputes only the outer `cache_depth` blocks. "
-        "start_percent / end_percent limit caching to part of the schedule.\n\n"
-        f"Checkpoint: {SDXL} is a random-weight SDXL-family test model (Segmind Vega's layout: SDXL's "
-        "text encoders, VAE and conditioning, fewer transformer blocks) made by `python -m "
-        "scripts.make_more_checkpoints`; pick your own SDXL checkpoint and use 1024x1024 with 20+ steps."
-        + _settings_note("sdxl", SIZE)))
+    _note(wf, "SDXL with INT8 + DeepCache", [
+        "**Graph:** Quantize Model (INT8) -> DeepCache -> KSampler. DeepCache runs the full UNet every "
+        "`cache_interval` steps and only the outer `cache_depth` blocks in between; its node says what it did.",
+        REPORT_LINE,
+        f"**Real models:** pick your SDXL checkpoint ({SDXL} is a random-weight SDXL-family test model), "
+        "1024x1024, 20+ steps.",
+        _settings_line("sdxl", SIZE)])
     made = {}
 
     def chain(loader: Node):
@@ -288,14 +286,13 @@ def sdxl_int8_deepcache() -> Workflow:
 
 def sd3_int8_blockcache() -> Workflow:
     wf = Workflow("sd3_int8_blockcache", "SD3 (DiT) with INT8 + block cache")
-    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
-        "A DiT model (SD3's MMDiT) with Quantize Model (INT8) and the DeepCache node, which on a DiT caches "
-        "the output of the transformer blocks: on cached steps only the first `cache_depth` blocks run and "
-        "the rest reuse the residual of the last full step.\n\n"
-        "The checkpoint carries CLIP-L and CLIP-G and no T5, which SD3 allows. "
-        f"{SD3} is the random-weight, reduced-depth test model made by `python -m scripts.make_more_checkpoints "
-        "sd3`; pick your own SD3 checkpoint and use 1024x1024 with 28 steps for real pictures."
-        + _settings_note("sd3", SIZE)))
+    _note(wf, "SD3 (a DiT) with INT8 + block cache", [
+        "**Graph:** Quantize Model (INT8) -> DeepCache -> KSampler. On a DiT, DeepCache runs the first and last "
+        "`cache_depth` transformer blocks on cached steps and reuses the others' residual.",
+        REPORT_LINE,
+        f"**Real models:** pick your SD3 checkpoint ({SD3} is a random-weight, reduced-depth test model with "
+        "CLIP-L and CLIP-G, no T5), 1024x1024, 28 steps.",
+        _settings_line("sd3", SIZE)])
     made = {}
 
     def chain(loader: Node):
@@ -312,13 +309,12 @@ def sd3_int8_blockcache() -> Workflow:
 
 def sd15_full_stack_compile() -> Workflow:
     wf = Workflow("sd15_full_stack_int8_deepcache_compile", "SD1.5 full stack: INT8 + DeepCache + compile")
-    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
-        "All three nodes in a row on SD1.5: Quantize Model (INT8) -> DeepCache -> Compile Model.\n\n"
-        "Compile Model wraps the diffusion model in torch.compile at sampling time, so LoRA and the other "
-        "patches still apply; the first run pays the compile (tens of seconds on a CPU, less on a GPU), later "
-        "runs at the same size reuse it. Put Compile last: it compiles what the other nodes built.\n\n"
-        f"Checkpoint: {SD15} is the random-weight test model; pick your own SD1.5 checkpoint."
-        + _settings_note("sd15", SIZE)))
+    _note(wf, "SD1.5 full stack: INT8 + DeepCache + Compile", [
+        "**Graph:** Quantize Model (INT8) -> DeepCache -> Compile Model -> KSampler. Keep Compile last; its node "
+        "says when it compiles and how long the first run took (later runs reuse the compile).",
+        REPORT_LINE,
+        f"**Real models:** pick your SD1.5 checkpoint ({SD15} is a random-weight test model), 512x512, 20+ steps.",
+        _settings_line("sd15", SIZE)])
     made = {}
 
     def chain(loader: Node):
@@ -337,13 +333,12 @@ def sd15_full_stack_compile() -> Workflow:
 def sd15_compare() -> Workflow:
     wf = Workflow("sd15_compare_baseline_vs_accelerated",
                   "SD1.5 side by side: baseline vs INT8 + DeepCache, same seed")
-    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
-        "The same prompt, seed and sampler twice: the upper KSampler uses the checkpoint's model as it is "
-        "(baseline), the lower one the model after Quantize Model (INT8) and DeepCache. Image Stitch puts "
-        "the two results side by side (baseline left, accelerated right) so you can judge the difference; "
-        "the queue panel shows each run's time.\n\n"
-        f"Checkpoint: {SD15} is the random-weight test model; pick your own SD1.5 checkpoint."
-        + _settings_note("sd15", SIZE)))
+    _note(wf, "SD1.5 side by side: baseline vs INT8 + DeepCache", [
+        "**Graph:** the same prompt, seed and sampler twice: the upper KSampler on the model as it is, the lower "
+        "one after Quantize Model (INT8) and DeepCache; Image Stitch shows baseline left, accelerated right.",
+        REPORT_LINE,
+        f"**Real models:** pick your SD1.5 checkpoint ({SD15} is a random-weight test model), 512x512, 20+ steps.",
+        _settings_line("sd15", SIZE)])
     loader = wf.add("CheckpointLoaderSimple", (0, 260), (315, 98), ckpt_name=SD15)
     quant = wf.add("Int8AccelQuantize", (0, 420), (315, 200), model=(loader, 0), **QUANTIZE_SETTINGS)
     cache = wf.add("Int8AccelDeepCache", (0, 660), (315, 130), model=(quant, 0), cache_interval=3, cache_depth=1,
@@ -365,7 +360,7 @@ def sd15_compare() -> Workflow:
            images=(stitch, 0))
     wf.group("Baseline", (840, -40, 620, 380), "#3f789e")
     wf.group("Accelerated (INT8 + DeepCache)", (840, 400, 620, 380), "#8A8")
-    _report(wf, quant, (380, 800), (440, 300))
+    _report(wf, quant, (380, 800))
     return wf
 
 
@@ -382,25 +377,16 @@ WHEN_TO_SAVE = (
 
 def sd15_int8_save() -> Workflow:
     wf = Workflow("sd15_int8_save", "SD1.5 INT8: quantize, sample, save the INT8 model")
-    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
-        "Quantize Model (INT8) on SD1.5, one picture, and Save INT8 Model writing the quantized diffusion model "
-        "to a file that the sd15_int8_load workflow loads later.\n\n"
-        "The Quantize node chooses its INT8 layers on the first sampling step (calibration), so the save must "
-        "run after the KSampler: the KSampler's LATENT output goes into Save INT8 Model's after_sampling input, "
-        "which only orders the run (ComfyUI otherwise runs output nodes such as the save first, before anything "
-        "is calibrated, and the save then stops with 'run a sampler with this model first').\n\n"
-        f"The file goes to ComfyUI's diffusion-model folder (models/unet/ in a default install): {INT8_FILE} on "
-        "the first run, a higher number each time the save runs again. It does whenever the sampler re-runs, "
-        "which includes the second queue after a new calibration (the Quantize node then refreshes its report): "
-        "bypass the save node (Ctrl+B) once you have the file. It holds the layers int8_layers picks as int8 weight + "
-        "weight_scale + comfy_quant (ComfyUI's INT8 format), the other layers as they are, and the settings and "
-        "report in its metadata. bake_lora off writes the weights without the model's LoRA. int8_layers 'every "
-        "accurate layer (smallest file)' writes every layer within the error thresholds in INT8, also those the "
-        "speed gate kept in float on this machine (a file for memory); 'only layers faster in INT8' writes just "
-        "the layers that ran faster in INT8 here.\n\n"
-        + WHEN_TO_SAVE + "\n\n"
-        f"Checkpoint: {SD15} is the random-weight test model; pick your own SD1.5 checkpoint."
-        + _settings_note("sd15", SIZE)))
+    _note(wf, "SD1.5 INT8: quantize, sample, save", [
+        "**Graph:** Quantize Model (INT8) -> KSampler, then Save INT8 Model, linked after the KSampler through "
+        "`after_sampling` (the layers are chosen while it samples).",
+        f"**File:** {INT8_FILE} in models/unet/ on a fresh ComfyUI, the next number on every later run: bypass "
+        "the save (Ctrl+B) once you have it. sd15_int8_load reads it.",
+        "**int8_layers:** the default writes every accurate layer in INT8, also those the speed gate kept in "
+        "float here (a file for memory); 'only layers faster in INT8' writes just the ones that ran faster.",
+        REPORT_LINE,
+        f"**Real models:** pick your SD1.5 checkpoint ({SD15} is a random-weight test model).",
+        _settings_line("sd15", SIZE)])
     made = {}
 
     def chain(loader: Node):
@@ -416,19 +402,13 @@ def sd15_int8_save() -> Workflow:
 
 def sd15_int8_load() -> Workflow:
     wf = Workflow("sd15_int8_load", "SD1.5 INT8: load a saved INT8 model and sample")
-    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
-        "Load Diffusion Model (INT8) reads an INT8 file and samples with it: no Quantize node, no calibration. "
-        "The layers stored in INT8 stay int8 in memory and run on the same INT8 kernels as the Quantize node, so "
-        "with the same seed this gives the picture of the sd15_int8_save run that wrote the file.\n\n"
-        f"Run the sd15_int8_save workflow first: on a fresh ComfyUI it writes {INT8_FILE}, the file selected "
-        "here (press R, Refresh node definitions, if the list does not show it yet). Or pick your own INT8 file: "
-        "one written by Save INT8 Model, or an INT8 file made for ComfyUI core (int8_tensorwise). LoRA works on "
-        "the loaded model as usual (LoraLoaderModelOnly after the loader).\n\n"
-        + WHEN_TO_SAVE + "\n\n"
-        f"Load Checkpoint ({SD15}, the random-weight test model) only supplies CLIP and VAE here, because the "
-        "test checkpoint bundles them; it also loads that checkpoint's float UNet into RAM, unused. With your "
-        "own files, Load CLIP and Load VAE avoid that. Same prompts, seed, size (128x128) and 4 steps as the "
-        "save workflow."))
+    _note(wf, "SD1.5 INT8: load a saved INT8 model", [
+        "**Graph:** Load Diffusion Model (INT8) -> KSampler: no Quantize node and no calibration; the same seed "
+        "gives the picture of the save run.",
+        f"**File:** run sd15_int8_save first (it writes {INT8_FILE}; press R if the list lacks it), or pick an "
+        "INT8 file of your own (Save INT8 Model's, or ComfyUI core's int8_tensorwise).",
+        f"**Real models:** Load Checkpoint ({SD15}) only supplies CLIP and VAE here; with your own files use Load "
+        "CLIP and Load VAE."])
 
     def chain(loader: Node):
         return (wf.add("Int8AccelLoadModel", (0, 400), (315, 82), unet_name=INT8_FILE), 0)
@@ -447,21 +427,13 @@ WAN_STEPS = 6
 
 def wan21_deepcache_t2v() -> Workflow:
     wf = Workflow("wan21_deepcache_t2v", "Wan 2.1 text-to-video with INT8 + DeepCache")
-    wf.add("Note", (0, 0), (780, 220), "What this shows", text=(
-        "Wan 2.1 text-to-video with Quantize Model (INT8) and the DeepCache node. On Wan (a diffusion "
-        "transformer) DeepCache caches the output of the transformer blocks: on cached steps only the first and "
-        "last `cache_depth` blocks run and the rest reuse the residual of the last full step. Model Sampling SD3 "
-        "with shift 8, uni_pc, simple and CFG 6 are the settings of ComfyUI's Wan 2.1 examples.\n\n"
-        "Pick the real files: Load Diffusion Model: the Wan 2.1 text-to-video model (e.g. "
-        "wan2.1_t2v_1.3B_fp16.safetensors or the 14B one); Load CLIP: umt5_xxl_fp8_e4m3fn_scaled.safetensors with "
-        "type `wan` (instead of `sd3`); Load VAE: wan_2.1_vae.safetensors. Then use 832x480, 33 frames or more and "
-        "20-30 steps (cache_interval 2-3).\n\n"
-        f"The shipped files are the tests' random-weight stand-ins, made by `python -m scripts.make_more_checkpoints "
-        f"wan21`: {WAN21} (Wan 2.1 T2V layout, 4 blocks of width 256), {WAN21_VAE} (Wan 2.1 VAE, narrower) and "
-        f"{CLIP_L}, a CLIP-L loaded with type `sd3`: SD3's text encoder pads CLIP-L's 768 features to the 4096 "
-        "that Wan's text input takes, as UMT5-XXL gives (too large to ship for tests). They give noise, not "
-        f"pictures. {WAN_SIZE} and {WAN_STEPS} steps keep it quick on a CPU; the server log shows DeepCache's "
-        "summary after each run ('DeepCache: 6 steps, 2 full, 4 cached')." + _settings_note("wan21", WAN_SIZE)))
+    _note(wf, "Wan 2.1 text-to-video with INT8 + DeepCache", [
+        "**Graph:** Load Diffusion Model -> Quantize Model (INT8) -> DeepCache -> Model Sampling SD3 (shift 8) -> "
+        "KSampler (uni_pc, CFG 6), saved as an animated WebP; the DeepCache node says which steps it cached.",
+        REPORT_LINE,
+        "**Real models:** the Wan 2.1 T2V model, umt5_xxl with type `wan` in Load CLIP, wan_2.1_vae; 832x480, 33+ "
+        "frames, 20-30 steps. The shipped files are random test stand-ins and give noise.",
+        _settings_line("wan21", WAN_SIZE)])
     unet = wf.add("UNETLoader", (0, 250), (315, 82), unet_name=WAN21, weight_dtype="default")
     quant = wf.add("Int8AccelQuantize", (0, 380), (315, 200), model=(unet, 0), **QUANTIZE_SETTINGS)
     cache = wf.add("Int8AccelDeepCache", (0, 620), (315, 130), model=(quant, 0), cache_interval=3, cache_depth=1,

@@ -6,6 +6,7 @@ from comfy_api.latest import io
 
 from ..node_schema import pack_schema, widget_problem
 from . import DYNAMIC_CHOICES, MODE_CHOICES, CompileSettings, available_backends, compile_model
+from .page_status import show_runs_on_node
 
 
 class Int8AccelCompile(io.ComfyNode):
@@ -19,7 +20,7 @@ class Int8AccelCompile(io.ComfyNode):
                 "(prepacked conv/linear weights, fused attention, the GEGLU gate). Compiles on the first run; "
                 "LoRA and strength changes never recompile, nor do new resolutions with dynamic auto/true; falls "
                 "back to eager with a warning if the backend or compiler is missing. INT8_ACCEL_COMPILE_STRATEGY=blocks|cpu-pieces overrides "
-                "the choice."),
+                "the choice. The node says when it is compiling and, after each run, how long it took."),
             inputs=[
                 io.Model.Input("model", tooltip="The model to compile (it is cloned, never changed)."),
                 io.Combo.Input("backend", options=available_backends(), default="inductor", tooltip=(
@@ -38,6 +39,7 @@ class Int8AccelCompile(io.ComfyNode):
                     "back to eager with a warning).")),
             ],
             outputs=[io.Model.Output(display_name="model")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -47,4 +49,6 @@ class Int8AccelCompile(io.ComfyNode):
     @classmethod
     def execute(cls, model, backend: str, mode: str, dynamic: str, fullgraph: bool) -> io.NodeOutput:
         settings = CompileSettings(backend=backend, mode=mode, dynamic=dynamic, fullgraph=bool(fullgraph))
-        return io.NodeOutput(compile_model(model, settings))
+        compiled = compile_model(model, settings)
+        show_runs_on_node(compiled, cls.hidden.unique_id if cls.hidden else None)
+        return io.NodeOutput(compiled)

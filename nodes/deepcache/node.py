@@ -7,6 +7,7 @@ from comfy_api.latest import io
 from ..node_schema import pack_schema, widget_problem
 from . import DeepCacheConfig, apply_deepcache
 from .families import supported_names
+from .page_status import show_runs_on_node
 
 MAX_DEPTH_WIDGET = 64
 
@@ -20,7 +21,8 @@ DESCRIPTION = (
     "sum(num_res_blocks[:cache_layer_id]) + cache_block_id + 2 (it does not count the downsample blocks). "
     f"Diffusion transformers ({supported_names()}): the first and last k transformer blocks run and the cached "
     "residual of the middle blocks is added, per stream and per conditioning. Any other model is an error that "
-    "names it (bypass the node for it)."
+    "names it (bypass the node for it). After each run the node shows how many steps ran in full and cached "
+    "and how many blocks each cached step skipped."
 )
 
 
@@ -52,6 +54,7 @@ class Int8AccelDeepCache(io.ComfyNode):
             ],
             outputs=[io.Model.Output(display_name="model",
                                      tooltip="The model with DeepCache applied (the input model is not modified).")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -64,4 +67,6 @@ class Int8AccelDeepCache(io.ComfyNode):
     @classmethod
     def execute(cls, model, cache_interval: int, cache_depth: int, start_percent: float,
                 end_percent: float) -> io.NodeOutput:
-        return io.NodeOutput(apply_deepcache(model, cache_interval, cache_depth, start_percent, end_percent))
+        patched = apply_deepcache(model, cache_interval, cache_depth, start_percent, end_percent)
+        show_runs_on_node(patched, cache_depth, cls.hidden.unique_id if cls.hidden else None)
+        return io.NodeOutput(patched)

@@ -45,7 +45,7 @@ def report_generation(settings: QuantizeSettings) -> int:
     return _report_generations.get(settings.key(), 0)
 
 
-def save_result(result: CalibrationResult, fingerprint: str, settings: QuantizeSettings, report: str) -> None:
+def save_result(result: CalibrationResult, fingerprint: str, settings: QuantizeSettings) -> None:
     _report_generations[settings.key()] = report_generation(settings) + 1
     directory = cache_dir()
     try:
@@ -54,16 +54,19 @@ def save_result(result: CalibrationResult, fingerprint: str, settings: QuantizeS
         tmp = directory / f".{result.key}.{os.getpid()}.tmp"
         tmp.write_text(payload)
         tmp.replace(directory / f"{result.key}.json")
-        (directory / f"report-{_report_key(fingerprint, settings)}.txt").write_text(report)
+        (directory / f"last-{_report_key(fingerprint, settings)}.txt").write_text(result.key)
     except OSError as exc:
         log.warning("int8-accel: could not write the calibration cache in %s (%s)", directory, exc)
 
 
-def load_last_report(fingerprint: str, settings: QuantizeSettings) -> str | None:
+def load_last_result(fingerprint: str, settings: QuantizeSettings) -> CalibrationResult | None:
+    """The last calibration of these weights and patches with these settings (any latent size), for the node's
+    report and picture on the run after it."""
     try:
-        return (cache_dir() / f"report-{_report_key(fingerprint, settings)}.txt").read_text()
+        key = (cache_dir() / f"last-{_report_key(fingerprint, settings)}.txt").read_text().strip()
     except OSError:
         return None
+    return load_result(key)
 
 
 def _report_key(fingerprint: str, settings: QuantizeSettings) -> str:

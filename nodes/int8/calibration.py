@@ -15,8 +15,15 @@ from .settings import QuantizeSettings
 from .speed import speed_gate_enabled
 
 CACHE_FORMAT_VERSION = 3
-SLOWER_IN_INT8 = "float: slower in INT8"
 _SAMPLE_WORDS = 256
+
+INT8 = "int8"
+# The float decisions, by the gate that decided them (the report and the decision picture name that gate).
+FLOAT_BY_GATE = {"kind": "float: kind disabled", "density": "float: density below threshold",
+                 "error": "float: error above threshold", "speed": "float: slower in INT8"}
+# Within the error and density thresholds but slower in INT8 on the machine that calibrated (Save INT8 Model's
+# smallest file still writes such layers in INT8).
+SLOWER_IN_INT8 = FLOAT_BY_GATE["speed"]
 
 
 @dataclass
@@ -40,12 +47,12 @@ class LayerMeasurement:
 
     @property
     def quantized(self) -> bool:
-        return self.decision == "int8"
+        return self.decision == INT8
 
     @property
     def within_thresholds(self) -> bool:
         """Passed the kind, density and error gates: in INT8 now, or kept in float by the speed gate alone."""
-        return self.decision in ("int8", SLOWER_IN_INT8)
+        return self.decision in (INT8, SLOWER_IN_INT8)
 
 
 @dataclass
@@ -61,6 +68,7 @@ class CalibrationResult:
     memory: dict[str, int] = field(default_factory=dict)  # model_float_bytes, int8_bytes, calibration_peak_int8_bytes
     left_to_core: dict[str, str] = field(default_factory=dict)  # core-quantized layers in formats INT8 cannot take
     created: float = field(default_factory=time.time)
+    weight_bits: int = 0  # width of the INT8 weights (8, or 7 on CPUs without VNNI); 0: not recorded
 
     @property
     def chosen(self) -> list[str]:
@@ -83,19 +91,28 @@ class CalibrationResult:
                    int8_flop_fraction=data.get("int8_flop_fraction", 0.0), seconds=data.get("seconds", 0.0),
                    backend=data.get("backend", ""), kernel_calls=data.get("kernel_calls", {}),
                    memory=data.get("memory", {}), left_to_core=data.get("left_to_core", {}),
-                   created=data.get("created", 0.0))
+                   created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0))
 
 
 def decide(layer: LayerMeasurement, settings: QuantizeSettings) -> str:
+    """The layer's decision: INT8, or float named by the first gate it fails (kind, density, error, speed)."""
     if not settings.kind_enabled(layer.kind):
-        return "float: kind disabled"
+        return FLOAT_BY_GATE["kind"]
     if layer.density < settings.compute_density_threshold:
-        return "float: density below threshold"
+        return FLOAT_BY_GATE["density"]
     if layer.error is None or layer.error > settings.threshold_for(layer.kind):
-        return "float: error above threshold"
+        return FLOAT_BY_GATE["error"]
     if layer.float_ms is not None and layer.int8_ms is not None and layer.int8_ms >= layer.float_ms:
-        return SLOWER_IN_INT8
-    return "int8"
+        return FLOAT_BY_GATE["speed"]
+    return INT8
+
+
+def decisive_gate(layer: LayerMeasurement) -> str:
+    """The gate that kept the layer in float (kind, density, error, speed), or "all passed" for an INT8 layer."""
+    for gate, decision in FLOAT_BY_GATE.items():
+        if layer.decision == decision:
+            return gate
+    return "all passed"
 
 
 def _tensor_digest(tensor: torch.Tensor) -> bytes:

@@ -1,12 +1,13 @@
-"""The "Quantize Model (INT8)" node: widgets in, one call to the INT8 core, MODEL and report out."""
+"""The "Quantize Model (INT8)" node: widgets in, one call to the INT8 core, MODEL, report and picture out."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io
 
 from ..node_schema import pack_schema, widget_problem
-from . import apply_int8
+from . import apply_int8, int8_plan
 from .cache import report_generation
+from .picture import node_picture
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
 
 MSE_TOOLTIP = (
@@ -28,7 +29,10 @@ class Int8AccelQuantize(io.ComfyNode):
                 "The first sampling step calibrates: every candidate layer measures its INT8 error on the real "
                 "inputs, and layers that pass both gates (error and compute density) switch to INT8 from the "
                 "next step on. The decision is cached on disk per model, LoRA, settings and latent size, so "
-                "later runs skip calibration."),
+                "later runs skip calibration. Calibration happens while the sampler runs, after this node ran: "
+                "its summary and the decision picture then show on this node, and the next queue of the prompt "
+                "returns the full report and the picture as outputs (until then the picture says calibration is "
+                "pending)."),
             inputs=[
                 io.Model.Input("model", tooltip="The model to accelerate. It is cloned, never modified."),
                 io.Int.Input("bits", default=8, min=8, max=8, step=1, tooltip=(
@@ -52,9 +56,14 @@ class Int8AccelQuantize(io.ComfyNode):
                 io.Model.Output(display_name="model",
                                 tooltip="The model with INT8 layers (swapped in while it runs)."),
                 io.String.Output(display_name="report", tooltip=(
-                    "One row per candidate layer (name, kind, shape, density, error, decision) and a summary. "
-                    "Calibration runs during the first sampling step, so a new model or setting shows it from "
-                    "the next run on.")),
+                    "Markdown for Preview as Text: a summary line, then a table with one row per candidate layer "
+                    "(name, kind, shape, density, error, timings, the gate that decided, decision). Calibration "
+                    "runs during the first sampling step, so a new model or setting shows it from the next run "
+                    "on.")),
+                io.Image.Output(display_name="decision", tooltip=(
+                    "Optional: a picture of the decision for Preview Image: each layer's error against its "
+                    "compute density (log axes), coloured INT8 / float by error / by density / by speed, with "
+                    "both thresholds drawn and the summary as title. Shown from the run after calibration.")),
             ],
             hidden=[io.Hidden.unique_id],
         )
@@ -79,4 +88,5 @@ class Int8AccelQuantize(io.ComfyNode):
         settings = settings_from_widgets(bits, quantize_conv, quantize_linear, conv_mse_threshold,
                                          linear_mse_threshold, compute_density_threshold)
         quantized, report = apply_int8(model, settings, node_id=cls.hidden.unique_id)
-        return io.NodeOutput(quantized, report)
+        plan = int8_plan(quantized) if quantized is not model else None
+        return io.NodeOutput(quantized, report, node_picture(plan, report))

@@ -24,14 +24,23 @@ import comfy.patcher_extension
 import comfy.utils
 import torch
 
-from ...kernels import backend_for, compute_density, normalized_mse, record_calls, release_packed_weight, weight_qmax
-from ..page import show_on_node
+from ...kernels import (
+    backend_for,
+    compute_density,
+    normalized_mse,
+    record_calls,
+    release_packed_weight,
+    weight_bits,
+    weight_qmax,
+)
+from ..page import show_image_on_node, show_on_node
 from ..wrapper_args import wrapper_arg
-from .cache import load_last_report, load_result, save_result
+from .cache import load_last_result, load_result, save_result
 from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
 from .core_layers import core_layer_source, core_layers_left, core_linear_format
 from .modules import Int8Conv2d, Int8Linear, is_quantizable
-from .report import format_report
+from .picture import decision_picture
+from .report import format_report, summary_line
 from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
 from .settings import QuantizeSettings
 from .speed import call_signature, speed_gate_enabled, time_float_and_int8
@@ -85,6 +94,17 @@ def parameter_bytes(root: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in root.parameters())
 
 
+def layer_weight_bytes(root: torch.nn.Module, result: CalibrationResult) -> dict[str, int]:
+    """{layer name: bytes of its float weight} for the layers of `result` that `root` has."""
+    candidates = find_candidates(root)
+    out = {}
+    for layer in result.layers:
+        if layer.name in candidates:
+            weight = root.get_submodule(candidates[layer.name][0]).weight
+            out[layer.name] = weight.numel() * weight.element_size()
+    return out
+
+
 class Int8Plan:
     """Per-node state shared by the clone and everything cloned from it."""
 
@@ -96,6 +116,7 @@ class Int8Plan:
         self.disk_hits = 0
         self.last_report = ""
         self.last_result: CalibrationResult | None = None
+        self.shown_result: CalibrationResult | None = None  # the calibration the node's report output describes
         self._run_fingerprint: str | None = None
         self._fingerprints: dict[tuple, str] = {}
         self._modules_state: tuple | None = None
@@ -133,13 +154,15 @@ class Int8Plan:
         return self._fingerprints[state]
 
     def node_report(self, patcher, candidates: dict[str, tuple[str, str]]) -> str:
-        cached = load_last_report(self.fingerprint(patcher), self.settings)
-        if cached:
-            return "(from the calibration cache; recalibrated automatically if the latent size differs)\n" + cached
+        self.shown_result = load_last_result(self.fingerprint(patcher), self.settings)
+        if self.shown_result is not None:
+            root = patcher.model.diffusion_model
+            return format_report(self.shown_result, self.settings, layer_weight_bytes(root, self.shown_result),
+                                 from_cache=True)
         kinds = {kind: sum(1 for _, k in candidates.values() if k == kind) for kind in ("linear", "conv")}
         return (f"INT8 calibration pending: it runs on the first sampling step with the real inputs "
-                f"({kinds['linear']} Linear and {kinds['conv']} Conv2d candidates). The report is logged then, "
-                f"and returned here on the next run with these settings.")
+                f"({kinds['linear']} Linear and {kinds['conv']} Conv2d candidates). Its summary shows on the "
+                f"Quantize node then; queue the prompt again to see the full report and the decision picture.")
 
     # --- wrappers ----------------------------------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):
@@ -350,7 +373,7 @@ class Int8Plan:
         for layer in layers:
             layer.decision = decide(layer, self.settings)
         result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers, backend=backend_for(args[0].device),
-                                   left_to_core=core_layers_left(root))
+                                   left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device))
         chosen = set(result.chosen)
         self._modules = {name: module for name, module in self._modules.items() if name in chosen}
         self._uncount_dropped(base_model)
@@ -383,20 +406,17 @@ class Int8Plan:
         return swapped_output, normalized_mse(swapped_output, reference), (int8_flops / total if total else 0.0)
 
     def _publish(self, result: CalibrationResult, base_model, fingerprint: str, save: bool) -> None:
-        root = base_model.diffusion_model
-        candidates = find_candidates(root)
-        weight_bytes = {}
-        for layer in result.layers:
-            if layer.name in candidates:
-                weight = root.get_submodule(candidates[layer.name][0]).weight
-                weight_bytes[layer.name] = weight.numel() * weight.element_size()
-        report = format_report(result, self.settings, weight_bytes)
+        report = format_report(result, self.settings, layer_weight_bytes(base_model.diffusion_model, result),
+                               from_cache=not save)
         self.last_report, self.last_result = report, result
         if save:
-            save_result(result, fingerprint, self.settings, report)
+            save_result(result, fingerprint, self.settings)
             log.info("int8-accel:\n%s", report)
-            show_on_node("\n".join(line for line in report.splitlines()
-                                    if line.startswith(("summary:", "speed gate:", "kernels:"))), self.node_id)
+            summary = summary_line(result, from_cache=False)
+            show_on_node(summary + "\n\nQueue the prompt again to see the per-layer table and the decision "
+                         "picture.", self.node_id)
+            if self.node_id is not None:
+                show_image_on_node(decision_picture(result, self.settings, summary), self.node_id)
         else:
             log.info("int8-accel: calibration cache hit for latent %s: %d layers in INT8", result.shape,
                      len(result.chosen))

@@ -1,64 +1,87 @@
-"""The human-readable calibration report the node returns and the log shows."""
+"""The human-readable calibration report the node returns and the log shows.
+
+It is markdown, since the page's Preview as Text renders markdown: a one-line summary first, a few detail
+paragraphs (blank lines between them: the page joins single line breaks), then the per-layer table as a markdown
+table whose columns are padded so the server log shows it aligned too."""
 
 from __future__ import annotations
 
-from .calibration import CalibrationResult
+from .calibration import CalibrationResult, LayerMeasurement, decisive_gate
 from .settings import QuantizeSettings
 
+MIB = 2**20
+TABLE_COLUMNS = ("layer", "kind", "shape", "density", "norm. MSE", "float ms", "int8 ms", "decided by", "decision")
+RIGHT_ALIGNED = {"density", "norm. MSE", "float ms", "int8 ms"}
 
-def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_bytes: dict[str, int]) -> str:
-    header = (f"{'layer':<58} {'kind':<6} {'shape':<20} {'density':>9} {'norm. MSE':>10} {'float ms':>9} "
-              f"{'int8 ms':>9}  decision")
-    lines = [f"INT8 calibration on latent {result.shape} ({result.seconds:.1f} s); "
-             f"norm. MSE = mean((y_int8 - y)^2) / mean(y^2) per layer; float/int8 ms: the speed gate's median "
-             f"times of the layer's call (INT8 is kept only where it is faster)", header]
-    for layer in result.layers:
-        error = "-" if layer.error is None else f"{layer.error:.2e}"
-        shape = "x".join(str(d) for d in layer.weight_shape)
-        float_ms = "-" if layer.float_ms is None else f"{layer.float_ms:.3f}"
-        int8_ms = "-" if layer.int8_ms is None else f"{layer.int8_ms:.3f}"
-        source = f" [core {layer.source}]" if layer.source else ""
-        lines.append(f"{layer.name:<58} {layer.kind:<6} {shape:<20} {layer.density:>9.1f} {error:>10} "
-                     f"{float_ms:>9} {int8_ms:>9}  {layer.decision}{source}")
-    for name, why in result.left_to_core.items():
-        lines.append(f"{name:<58} {'linear':<6} {'-':<20} {'-':>9} {'-':>10} {'-':>9} {'-':>9}  core {why}")
+
+def int8_layer_speedup(result: CalibrationResult) -> float | None:
+    """How much faster the INT8 layers ran than in float, from the speed gate's timings (None: not timed)."""
+    timed = [layer for layer in result.layers if layer.quantized and layer.int8_ms is not None]
+    int8_ms = sum(layer.int8_ms for layer in timed)
+    return sum(layer.float_ms for layer in timed) / int8_ms if int8_ms else None
+
+
+def summary_line(result: CalibrationResult, from_cache: bool) -> str:
+    """One line: layers in INT8, FLOP share, INT8 layer speed-up, whole-model error, memory, kernels, provenance."""
+    chosen = [layer for layer in result.layers if layer.quantized]
+    counts = {kind: sum(1 for layer in chosen if layer.kind == kind) for kind in ("linear", "conv")}
+    totals = {kind: sum(1 for layer in result.layers if layer.kind == kind) for kind in ("linear", "conv")}
+    speedup = int8_layer_speedup(result)
+    parts = [
+        f"summary: {len(chosen)}/{len(result.layers)} layers in INT8 (linear {counts['linear']}/{totals['linear']}, "
+        f"conv {counts['conv']}/{totals['conv']})",
+        f"{100 * result.int8_flop_fraction:.1f}% of the model's FLOPs in INT8",
+        "INT8 layers not timed (speed gate off)" if speedup is None else f"INT8 layers {speedup:.2f}x faster",
+        "whole-model output norm. MSE " + ("-" if result.model_error is None else f"{result.model_error:.2e}"),
+    ]
+    if result.memory:
+        parts.append(f"memory +{result.memory.get('int8_bytes', 0) / MIB:.1f} MiB")
+    bits = f", {result.weight_bits}-bit weights" if result.weight_bits else ""
+    parts.append(f"{result.backend or 'unknown'} backend{bits}")
+    parts.append("from the calibration cache" if from_cache else f"calibrated now ({result.seconds:.1f} s)")
+    return " · ".join(parts)
+
+
+def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_bytes: dict[str, int],
+                  from_cache: bool = False) -> str:
+    """The report: summary line, detail paragraphs, per-layer markdown table (`weight_bytes`: float bytes per layer)."""
+    paragraphs = [summary_line(result, from_cache), _details_line(result, settings)]
     chosen = [layer for layer in result.layers if layer.quantized]
     float_bytes = sum(weight_bytes.get(layer.name, 0) for layer in chosen)
     int8_bytes = sum(layer.k * layer.n + 4 * layer.n for layer in chosen)
-    counts = {kind: sum(1 for layer in chosen if layer.kind == kind) for kind in ("linear", "conv")}
-    totals = {kind: sum(1 for layer in result.layers if layer.kind == kind) for kind in ("linear", "conv")}
-    model_error = "-" if result.model_error is None else f"{result.model_error:.2e}"
-    lines.append(
-        f"summary: {len(chosen)}/{len(result.layers)} layers in INT8 (linear {counts['linear']}/{totals['linear']}, "
-        f"conv {counts['conv']}/{totals['conv']}); {100 * result.int8_flop_fraction:.1f}% of the model's FLOPs in "
-        f"INT8; weights of those layers {float_bytes / 2**20:.1f} MiB float -> {int8_bytes / 2**20:.1f} MiB INT8 "
-        f"({(float_bytes - int8_bytes) / 2**20:.1f} MiB smaller; the float originals stay loaded so LoRA and "
-        f"float layers keep working); whole-model output norm. MSE {model_error}")
-    core_line = _core_formats_line(result)
-    if core_line:
-        lines.append(core_line)
+    paragraphs.append(f"weights of the INT8 layers: {float_bytes / MIB:.1f} MiB float -> {int8_bytes / MIB:.1f} MiB "
+                      f"INT8 ({(float_bytes - int8_bytes) / MIB:.1f} MiB smaller; the float originals stay loaded so "
+                      f"LoRA and float layers keep working)")
     timed = [layer for layer in result.layers if layer.int8_ms is not None]
     if timed:
-        slower = sum(1 for layer in timed if layer.decision == "float: slower in INT8")
-        kept_float = sum(layer.float_ms for layer in timed if layer.quantized)
-        kept_int8 = sum(layer.int8_ms for layer in timed if layer.quantized)
-        speedup = f"{kept_float / kept_int8:.2f}x" if kept_int8 else "-"
-        lines.append(f"speed gate: {len(timed)} layers timed on {result.backend or 'this device'}, {slower} stay "
-                     f"float as slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of "
-                     f"{kept_float:.1f} ms in float ({speedup})")
+        slower = sum(1 for layer in timed if decisive_gate(layer) == "speed" and not layer.quantized)
+        kept = [layer for layer in timed if layer.quantized]
+        kept_float, kept_int8 = sum(layer.float_ms for layer in kept), sum(layer.int8_ms for layer in kept)
+        speedup = int8_layer_speedup(result)
+        paragraphs.append(
+            f"speed gate: {len(timed)} layers timed on {result.backend or 'this device'}, {slower} stay float as "
+            f"slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of {kept_float:.1f} ms in float "
+            f"({'-' if speedup is None else f'{speedup:.2f}x'})")
     if result.memory:
-        mib = {name: value / 2**20 for name, value in result.memory.items()}
-        lines.append(
+        mib = {name: value / MIB for name, value in result.memory.items()}
+        paragraphs.append(
             f"memory: diffusion-model weights {mib['model_float_bytes']:.1f} MiB in float; on-the-fly INT8 adds "
             f"{mib['int8_bytes']:.1f} MiB of INT8 layers while the model is loaded (the float weights stay, for "
             f"LoRA and the float layers; dropped when ComfyUI unloads the model); calibration held at most "
             f"{mib['calibration_peak_int8_bytes']:.1f} MiB of INT8 copies (one layer at a time)")
     if result.kernel_calls:
-        lines.append(
+        paragraphs.append(
             f"kernels: {result.backend} backend; in the checking step {result.kernel_calls.get('int8', 0)} INT8 "
             f"layer calls ran the INT8 kernels and {result.kernel_calls.get('float', 0)} ran in float with the "
             f"INT8-rounded weights (shapes too small for INT8 to pay on this device)")
-    return "\n".join(lines)
+    core_line = _core_formats_line(result)
+    if core_line:
+        paragraphs.append(core_line)
+    paragraphs.append(layer_table(result.layers))
+    if result.left_to_core:
+        paragraphs.append("left to ComfyUI core: " + "; ".join(f"{name} ({why})"
+                                                               for name, why in result.left_to_core.items()))
+    return "\n\n".join(paragraphs)
 
 
 def _core_formats_line(result: CalibrationResult) -> str:
@@ -75,3 +98,37 @@ def _core_formats_line(result: CalibrationResult) -> str:
         left[why.split(":")[0]] = left.get(why.split(":")[0], 0) + 1
     parts += [f"{fmt} {total} (left as ComfyUI runs them: no INT8 path for this format)" for fmt, total in left.items()]
     return "core-quantized layers: " + ", ".join(parts) if parts else ""
+
+
+
+def _details_line(result: CalibrationResult, settings: QuantizeSettings) -> str:
+    timed = any(layer.int8_ms is not None for layer in result.layers)
+    return (f"INT8 calibration on latent {result.shape} ({result.seconds:.1f} s). A layer runs in INT8 when its "
+            f"kind is enabled (gate 'kind'), its compute density is at least {settings.compute_density_threshold} "
+            f"('density'), its norm. MSE = mean((y_int8 - y)^2) / mean(y^2) is at most "
+            f"{settings.conv_mse_threshold:g} (conv) / {settings.linear_mse_threshold:g} (linear) ('error')"
+            + (" and its INT8 call is faster than its float call ('speed'; float/int8 ms: the speed gate's median "
+               "times)." if timed else "; no layer was timed (speed gate off, or no layer reached it)."))
+
+
+def _table_row(layer: LayerMeasurement) -> tuple[str, ...]:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    return (layer.name, layer.kind, "x".join(str(d) for d in layer.weight_shape), f"{layer.density:.1f}",
+            "-" if layer.error is None else f"{layer.error:.2e}", ms(layer.float_ms), ms(layer.int8_ms),
+            decisive_gate(layer), layer.decision + (f" [core {layer.source}]" if layer.source else ""))
+
+
+def layer_table(layers: list[LayerMeasurement]) -> str:
+    """A markdown table, one row per layer, its columns padded to align in plain text as well."""
+    rows = [_table_row(layer) for layer in layers]
+    widths = [max([len(column), *(len(row[i]) for row in rows)]) for i, column in enumerate(TABLE_COLUMNS)]
+
+    def line(cells) -> str:
+        return "| " + " | ".join(cell.rjust(width) if column in RIGHT_ALIGNED else cell.ljust(width)
+                                 for cell, width, column in zip(cells, widths, TABLE_COLUMNS, strict=True)) + " |"
+
+    rule = "|" + "|".join(("-" * (width + 1) + ":") if column in RIGHT_ALIGNED else ("-" * (width + 2))
+                          for width, column in zip(widths, TABLE_COLUMNS, strict=True)) + "|"
+    return "\n".join([line(TABLE_COLUMNS), rule, *(line(row) for row in rows)])

@@ -272,6 +272,16 @@ def parse_int8_report(text: str) -> Int8Summary | None:
                        tuple(int(d) for d in latent.group(1).split(",")), text)
 
 
+def report_table_rows(text: str) -> dict[str, list[str]]:
+    """{layer name: its cells} from the report's markdown table (header and rule rows left out)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) > 1 and cells[0] != "layer" and not set(cells[0]) <= set("-:"):
+            rows[cells[0]] = cells
+    return rows
+
+
 def node_of(prompt: dict, class_type: str) -> str:
     ids = [k for k, v in prompt.items() if v["class_type"] == class_type]
     assert len(ids) == 1, f"expected one {class_type}, found {ids}"
@@ -363,7 +373,8 @@ def without_quantize(prompt: dict) -> dict:
     quant = node_of(prompt, "Int8AccelQuantize")
     source = prompt.pop(quant)["inputs"]["model"]
     for node_id, node in list(prompt.items()):
-        if node["class_type"] == "Int8AccelSaveModel" or any(value == [quant, 1] for value in node["inputs"].values()):
+        if node["class_type"] == "Int8AccelSaveModel" or any(value in ([quant, 1], [quant, 2])
+                                                             for value in node["inputs"].values()):
             del prompt[node_id]
             continue
         for name, value in node["inputs"].items():

@@ -1,0 +1,42 @@
+"""What DeepCache did on the last sampling run, shown on its node in the page: steps full and cached, and how
+many blocks each cached step skipped."""
+
+from __future__ import annotations
+
+from comfy.patcher_extension import WrappersMP
+
+from ..page import show_on_node
+from .families import block_layout, family_of
+from .steps import WRAPPER_KEY, current_run
+from .unet import is_unet
+
+
+def skipped_blocks(diffusion_model, cache_depth: int) -> tuple[int, int]:
+    """(blocks a cached step skips, blocks a full step runs) for this model at `cache_depth`."""
+    if is_unet(diffusion_model):
+        total = len(diffusion_model.input_blocks) + len(diffusion_model.output_blocks)
+        total += 1 if diffusion_model.middle_block is not None else 0
+        return total - 2 * cache_depth, total
+    layout = block_layout(diffusion_model, family_of(diffusion_model))
+    return len(layout) - 2 * cache_depth, len(layout)
+
+
+def show_runs_on_node(model, cache_depth: int, node_id: str | None) -> None:
+    """After every sampling run of `model` (a DeepCache clone), put that run's summary on the node `node_id`.
+
+    Added under DeepCache's own wrapper key after its step wrapper, so it runs inside it while the run's state is
+    still in the guider's options, and a later DeepCache node on the same model removes it with the rest."""
+    if node_id is None:
+        return
+    skipped, total = skipped_blocks(model.get_model_object("diffusion_model"), cache_depth)
+
+    def deepcache_page_summary(executor, *args, **kwargs):
+        guider = executor.class_obj
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            run = current_run(guider.model_options.get("transformer_options"))
+            if run is not None:
+                show_on_node(f"{run.summary()}; each cached step skipped {skipped} of {total} blocks", node_id)
+
+    model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, deepcache_page_summary)

@@ -1,0 +1,149 @@
+"""What a person sees of the INT8 decision: the report (markdown: summary line first, then a table naming the
+gate that decided each layer) and the decision picture (the Quantize node's IMAGE output), from the node itself
+run in the real ComfyUI in-process on a tiny SD1.5, before and after the sampling run that calibrates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from comfyui_int8_accel.kernels import record_calls
+from tests.support.tiny_models import build_tiny_model, sample
+from tests.support.workflows_common import PENDING, report_table_rows
+
+PICTURE_SIZE = (512, 768)  # height, width
+INT8_COLOUR = (30, 150, 60)
+ALL_INT8 = dict(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
+
+
+@pytest.fixture(scope="module")
+def node(pack):
+    """The node class as ComfyUI runs it for node 7 of a prompt."""
+    from comfy_api.latest import io
+
+    return pack.NODE_CLASS_MAPPINGS["Int8AccelQuantize"].PREPARE_CLASS_CLONE({io.Hidden.unique_id: "7"})
+
+
+def run_node(node, model, **overrides):
+    widgets = dict(bits=8, quantize_conv="enable", quantize_linear="enable", conv_mse_threshold=0.1,
+                   linear_mse_threshold=0.1, compute_density_threshold=300)
+    widgets.update(overrides)
+    return node.execute(model, **widgets).result
+
+
+def calibrated(node, model, **overrides):
+    """(report, picture) of the node's run after the sampling run that calibrated, and that run's INT8 calls."""
+    quantized, pending, picture = run_node(node, model, **overrides)
+    assert pending.startswith(PENDING)
+    assert tuple(picture.shape) == (1, *PICTURE_SIZE, 3)
+    with record_calls() as calls:
+        sample(quantized, "sd15", steps=2)
+    _, report, picture = run_node(node, model, **overrides)
+    return report, picture, sum(n for (_, _, path), n in calls.items() if path == "int8")
+
+
+def int8_points(picture: torch.Tensor) -> int:
+    """Pixels of the INT8 colour inside the axes box (the legend's swatch is outside it)."""
+    plot = (picture[0, 74:420, 78:744] * 255).round().to(torch.int16)
+    return int((plot == torch.tensor(INT8_COLOUR, dtype=torch.int16)).all(dim=-1).sum())
+
+
+def test_report_is_a_summary_line_then_a_table_naming_the_deciding_gate(comfy_root, node):
+    model = build_tiny_model("sd15")
+    # Linear off, and a density threshold between the layers' densities: every gate decides some layer.
+    densities = sorted(layer.density for layer in _measured(node, model))
+    middle = densities[len(densities) // 2]
+    report, _, int8_calls = calibrated(node, model, quantize_linear="disable", conv_mse_threshold=1.0,
+                                       compute_density_threshold=int(middle))
+    assert int8_calls > 0
+    first, *rest = report.split("\n\n")
+    assert first.startswith("summary: ") and "\n" not in first
+    for part in ("layers in INT8 (linear 0/", "% of the model's FLOPs in INT8", "whole-model output norm. MSE",
+                 "memory +", "backend, ", "-bit weights", "from the calibration cache"):
+        assert part in first, (part, first)
+    table = rest[-1].splitlines()
+    assert table[0].startswith("| layer ") and "decided by" in table[0] and set(table[1]) <= set("|-: ")
+    rows = report_table_rows(report)
+    assert len(rows) == len(table) - 2 and all(len(cells) == 9 for cells in rows.values())
+    gates = {cells[7]: cells[8] for cells in rows.values()}
+    assert gates["kind"] == "float: kind disabled" and gates["density"] == "float: density below threshold"
+    assert any(cells[8] == "int8" for cells in rows.values())
+    for cells in rows.values():
+        assert (cells[1] == "linear") == (cells[7] == "kind")
+        assert (float(cells[3]) < int(middle)) == (cells[7] == "density") or cells[1] == "linear"
+
+
+def _measured(node, model):
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+
+    quantized, _, _ = run_node(node, model, **ALL_INT8)
+    sample(quantized, "sd15", steps=2)
+    return int8_plan(quantized).last_result.layers
+
+
+def test_decision_picture_changes_with_the_decision_and_keeps_its_size(comfy_root, node):
+    model = build_tiny_model("sd15")
+    _, all_int8, int8_calls = calibrated(node, model, **ALL_INT8)
+    assert int8_calls > 0
+    _, none_int8, _ = calibrated(node, model, conv_mse_threshold=1e-12, linear_mse_threshold=1e-12,
+                                 compute_density_threshold=0)
+    for picture in (all_int8, none_int8):
+        assert tuple(picture.shape) == (1, *PICTURE_SIZE, 3) and picture.dtype == torch.float32
+        assert 0.0 <= float(picture.min()) and float(picture.max()) <= 1.0
+    assert int8_points(all_int8) > 0 and int8_points(none_int8) == 0
+    assert (all_int8 - none_int8).abs().sum(dim=-1).gt(0.1).sum() > 1000
+
+
+def test_picture_of_a_model_with_nothing_to_quantize_says_why(comfy_root, node):
+    model = build_tiny_model("sd15")
+    same, report, picture = run_node(node, model, quantize_conv="disable", quantize_linear="disable")
+    assert same is model and report.startswith("Nothing to quantize")
+    assert tuple(picture.shape) == (1, *PICTURE_SIZE, 3) and float(picture.min()) < 0.5  # text drawn on white
+
+
+def test_calibration_pushes_its_summary_and_picture_onto_the_node(comfy_root, node, monkeypatch):
+    """When calibration ends, during sampling, the summary line and the decision picture go to the Quantize node
+    in the page (the picture as a PNG in ComfyUI's temp folder, named in an `executed` message as an output node's
+    images are), before the next queue returns them as outputs."""
+    import sys
+    import types
+
+    import folder_paths
+    from PIL import Image
+
+
+    sent: list[tuple] = []
+
+    class FakeServer:
+        client_id = "client"
+
+        def send_sync(self, event, data, sid=None):
+            sent.append((event, data, sid))
+
+        def send_progress_text(self, text, node_id, sid=None):
+            sent.append(("progress_text", {"node": node_id, "text": text}, sid))
+
+    # ComfyUI's server module needs the whole app (main.py); in-process its PromptServer is stood in for
+    fake_server_module = types.ModuleType("server")
+    fake_server_module.PromptServer = types.SimpleNamespace(instance=FakeServer())
+    monkeypatch.setitem(sys.modules, "server", fake_server_module)
+    quantized, _, _ = run_node(node, build_tiny_model("sd15"), **ALL_INT8)
+    sample(quantized, "sd15", steps=2)
+    texts = [data for event, data, _ in sent if event == "progress_text"]
+    assert len(texts) == 1 and texts[0]["node"] == "7" and texts[0]["text"].startswith("summary: ")
+    (executed,) = [data for event, data, _ in sent if event == "executed"]
+    assert executed["node"] == executed["display_node"] == "7"
+    (image,) = executed["output"]["images"]
+    assert image["type"] == "temp"
+    with Image.open(Path(folder_paths.get_temp_directory()) / image["subfolder"] / image["filename"]) as picture:
+        assert picture.size == PICTURE_SIZE[::-1]
+        pixels = torch.from_numpy(np.asarray(picture.convert("RGB"), dtype=np.float32) / 255)[None]
+    assert int8_points(pixels) > 0
