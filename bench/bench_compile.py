@@ -103,7 +103,7 @@ def part_b(model, vae, positive, negative, *, size: int, steps: int, with_compil
 
 
 def _speed_gate_on() -> bool:
-    from comfyui_int8_accel.nodes.int8.speed import speed_gate_enabled
+    from comfyui_int8_accel.nodes.int8.environment import speed_gate_enabled
 
     return speed_gate_enabled()
 

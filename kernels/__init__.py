@@ -18,13 +18,7 @@ off the CPU, whoever rewrites a weight in place without its version counter (`.d
 `weight_changed(tensor)`, which rebuilds them at once. `release_packed_weight(tensor)` drops them explicitly.
 No INT8 op reads a device value on the host, so they run in CUDA graphs.
 
-Environment switches (read where noted):
-- `INT8_ACCEL_WEIGHT_BITS=7` (read at every `weight_bits`/`weight_qmax` call): 7-bit weights on every device,
-  e.g. to exercise on a VNNI machine the numerics of a CPU without VNNI. Any other value than 7 is an error.
-- `INT8_ACCEL_LINEAR_ACTIVATIONS=tensor|token` (at import): the initial Linear activation granularity.
-- `INT8_ACCEL_LINEAR_MIN_MACS`, `INT8_ACCEL_CONV_MIN_MACS`, `INT8_ACCEL_IM2COL_MAX_ROWS` (at import): the cpu
-  backend's size thresholds for the float path and for the im2col GEMM conv.
-- `INT8_ACCEL_COMPILE_QUANTIZER=0` (at import): the cpu backend's activation quantizers never use torch.compile.
+Environment switches: all read in `kernels/environment.py` (for tests and benches; listed in the README).
 """
 
 import torch

@@ -14,12 +14,12 @@ too short for INT8 to repay its fixed per-call cost run in float with the dequan
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from . import environment
 from .compiled import CompiledOrEager
 from .quant import (
     affine_qparams,
@@ -33,13 +33,13 @@ from .quant import (
 from .weight_cache import CACHE
 
 # Below these many multiply-accumulates per call float32 is faster than INT8 (bench/bench_kernels.py).
-LINEAR_MIN_MACS = int(os.environ.get("INT8_ACCEL_LINEAR_MIN_MACS", 2_000_000))
-CONV_MIN_MACS = int(os.environ.get("INT8_ACCEL_CONV_MIN_MACS", 4_000_000))
+LINEAR_MIN_MACS = environment.linear_min_macs(2_000_000)
+CONV_MIN_MACS = environment.conv_min_macs(4_000_000)
 # With a reduction this short (e.g. a 4-channel 3x3 input conv) the INT8 kernels lose to float32 at any size.
 MIN_REDUCTION = 64
 # oneDNN's INT8 conv is slow on tiny feature maps with many channels (it is bound by the weight); there a GEMM
 # over im2col rows (one row per output pixel, quantized per row) is faster and at least as accurate.
-IM2COL_MAX_ROWS = int(os.environ.get("INT8_ACCEL_IM2COL_MAX_ROWS", 160))
+IM2COL_MAX_ROWS = environment.im2col_max_rows(160)
 # Below this many elements a compiled quantizer's fixed call cost outweighs the passes it fuses.
 COMPILE_MIN_NUMEL = 1 << 19
 
@@ -86,7 +86,7 @@ def quantize_tensor_u8_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, scale, zero_point
 
 
-_QUANTIZER_DISABLED = "INT8_ACCEL_COMPILE_QUANTIZER=0" if os.environ.get("INT8_ACCEL_COMPILE_QUANTIZER") == "0" else None
+_QUANTIZER_DISABLED = environment.compiled_quantizer_disabled_reason()
 quantize_rows_u8 = CompiledOrEager(
     quantize_rows_u8_eager, name="per-row activation quantizer", min_numel=COMPILE_MIN_NUMEL,
     float32_no_grad=True, disabled_reason=_QUANTIZER_DISABLED,

@@ -6,7 +6,6 @@ it (nor `ops`), so the package has no import cycle.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -14,6 +13,7 @@ from types import ModuleType
 import torch
 
 from . import cpu, cuda, reference, triton_backend
+from .environment import forced_weight_bits
 from .quant import cpu_has_int8_dot_product
 
 BACKEND_MODULES: dict[str, ModuleType] = {"reference": reference, "cpu": cpu, "cuda": cuda, "triton": triton_backend}
@@ -76,7 +76,6 @@ def backend_for(device: torch.device | str) -> str:
     return "reference"
 
 
-WEIGHT_BITS_ENV = "INT8_ACCEL_WEIGHT_BITS"
 
 
 def weight_bits(device: torch.device | str) -> int:
@@ -87,11 +86,9 @@ def weight_bits(device: torch.device | str) -> int:
     on any CPU, e.g. under `force_backend("reference")`). `INT8_ACCEL_WEIGHT_BITS=7` (read at every call)
     forces 7 bits on any device, so a VNNI machine can exercise the numerics of one without.
     """
-    forced = os.environ.get(WEIGHT_BITS_ENV, "").strip()
-    if forced == "7":
-        return 7
-    if forced:
-        raise ValueError(f"{WEIGHT_BITS_ENV}={forced!r} is not supported: set it to 7 or leave it unset")
+    forced = forced_weight_bits()
+    if forced is not None:
+        return forced
     if backend_for(device) == "cpu" and not cpu_has_int8_dot_product():
         return 7
     return 8

@@ -11,10 +11,11 @@ Schemes shared by every backend (so their outputs agree):
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import torch
+
+from . import environment
 
 ACT_QMAX = 127
 
@@ -122,7 +123,7 @@ def as_contiguous(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 LINEAR_GRANULARITIES = ("token", "tensor")
-_linear_granularity = os.environ.get("INT8_ACCEL_LINEAR_ACTIVATIONS", "token")
+_linear_granularity = environment.linear_activations()
 
 
 def linear_activation_granularity() -> str:

@@ -9,15 +9,16 @@ import os
 from pathlib import Path
 
 from .calibration import CACHE_FORMAT_VERSION, CalibrationResult
+from .environment import cache_dir_override
 from .settings import QuantizeSettings
 
 log = logging.getLogger("int8_accel.int8")
 
 
 def cache_dir() -> Path:
-    override = os.environ.get("INT8_ACCEL_CACHE_DIR")
-    if override:
-        return Path(override)
+    override = cache_dir_override()
+    if override is not None:
+        return override
     import folder_paths
 
     return Path(folder_paths.get_user_directory()) / "int8_accel" / "calibration"

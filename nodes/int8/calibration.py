@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ...kernels import backend_for, content_checksum, weight_bits
+from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
-from .speed import speed_gate_enabled
 
 CACHE_FORMAT_VERSION = 3
 _SAMPLE_WORDS = 256

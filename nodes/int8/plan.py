@@ -38,12 +38,13 @@ from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
 from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
 from .core_layers import core_layer_source, core_layers_left, core_linear_format
+from .environment import speed_gate_enabled
 from .modules import Int8Conv2d, Int8Linear, is_quantizable
 from .picture import decision_picture
 from .report import format_report, summary_line
 from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
 from .settings import QuantizeSettings
-from .speed import call_signature, speed_gate_enabled, time_float_and_int8
+from .speed import call_signature, time_float_and_int8
 
 log = logging.getLogger("int8_accel.int8")
 WRAPPER_KEY = "int8_accel_quantize"

@@ -10,7 +10,6 @@ turns the gate off (the error and density gates alone decide), for reproducible 
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -27,8 +26,6 @@ CUDA_WARMUP_CALLS = 2
 CUDA_CALLS_PER_SAMPLE = 5
 
 
-def speed_gate_enabled() -> bool:
-    return os.environ.get("INT8_ACCEL_SPEED_GATE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,0 +1,61 @@
+"""Every environment variable the kernels read, in one place (the README's Configuration table lists them).
+
+All of them are for measuring and testing the kernels (benches, the suite, a person comparing paths); none is
+needed to run the pack. Read at import unless a function below says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+WEIGHT_BITS = "INT8_ACCEL_WEIGHT_BITS"
+LINEAR_ACTIVATIONS = "INT8_ACCEL_LINEAR_ACTIVATIONS"
+LINEAR_MIN_MACS = "INT8_ACCEL_LINEAR_MIN_MACS"
+CONV_MIN_MACS = "INT8_ACCEL_CONV_MIN_MACS"
+IM2COL_MAX_ROWS = "INT8_ACCEL_IM2COL_MAX_ROWS"
+COMPILE_QUANTIZER = "INT8_ACCEL_COMPILE_QUANTIZER"
+
+
+def forced_weight_bits() -> int | None:
+    """7 when `INT8_ACCEL_WEIGHT_BITS=7` (read at every call, so a test can set it), None when unset; any other
+    value is an error."""
+    forced = os.environ.get(WEIGHT_BITS, "").strip()
+    if not forced:
+        return None
+    if forced == "7":
+        return 7
+    raise ValueError(f"{WEIGHT_BITS}={forced!r} is not supported: set it to 7 or leave it unset")
+
+
+def linear_activations() -> str:
+    """The initial Linear activation granularity, "token" (default) or "tensor"."""
+    return os.environ.get(LINEAR_ACTIVATIONS, "token")
+
+
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be a whole number") from None
+
+
+def linear_min_macs(default: int) -> int:
+    """Multiply-accumulates per call below which the cpu backend runs a Linear in float."""
+    return _int(LINEAR_MIN_MACS, default)
+
+
+def conv_min_macs(default: int) -> int:
+    """The same for Conv2d."""
+    return _int(CONV_MIN_MACS, default)
+
+
+def im2col_max_rows(default: int) -> int:
+    """Output pixels up to which the cpu backend runs an INT8 conv as one GEMM over im2col rows."""
+    return _int(IM2COL_MAX_ROWS, default)
+
+
+def compiled_quantizer_disabled_reason() -> str | None:
+    """Why the cpu backend's activation quantizers never use torch.compile (`INT8_ACCEL_COMPILE_QUANTIZER=0`), or
+    None."""
+    return f"{COMPILE_QUANTIZER}=0" if os.environ.get(COMPILE_QUANTIZER) == "0" else None
