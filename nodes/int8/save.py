@@ -22,7 +22,7 @@ from ..comfy_contracts import merged_state_dict
 from ..page import show_on_node
 from . import int8_plan
 from .checkpoint import int8_metadata, int8_state_dict
-from .modules import Int8Conv2d, Int8Linear
+from .modules import Int8Conv2d, Int8Linear, held_dtype
 from .plan import Int8Plan, canonical_name, find_candidates, unwrap_compiled
 
 log = logging.getLogger("int8_accel.int8")
@@ -52,7 +52,7 @@ def _int8_layer(module: torch.nn.Module, kind: str, weight: torch.Tensor, bias: 
             layer = Int8Linear(weight, bias, qmax)
         else:
             layer = Int8Conv2d(weight, bias, module.stride, module.padding, module.dilation, module.groups, qmax)
-    layer.compute_dtype = module.weight.dtype
+    layer.compute_dtype = held_dtype(module.weight.dtype)
     return layer
 
 
