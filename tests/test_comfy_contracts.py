@@ -223,9 +223,9 @@ def test_compiled_blocks_run_eagerly_where_comfyui_manages_weights_per_forward(p
     ordinary way the same compiled model runs its blocks compiled."""
     import importlib
 
-    from tests.test_compile_blocks import COUNTING, UNET_WIDTH, _register_counting_backend, graph_runs
+    from tests.support.counting_backend import COUNTING, UNET_WIDTH, graph_runs, register_counting_backend
 
-    _register_counting_backend()
+    register_counting_backend()
     cm = importlib.import_module("comfyui_int8_accel.nodes.compile")
     monkeypatch.setenv(cm.STRATEGY_ENV, "blocks")
     with torch.inference_mode():

@@ -16,45 +16,21 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.support.counting_backend import COUNTING, UNET_WIDTH, compiled_graphs, graph_runs
+from tests.support.counting_backend import register_counting_backend as _register_counting_backend
 from tests.support.lora import apply_lora, make_lora
 from tests.support.tiny_models import build_tiny_model, sample
 
 RTOL = 1e-4
 INT8_RTOL = 1e-3  # a float difference upstream may flip an activation's INT8 rounding
-COUNTING = "int8accel_counting"
 # two resolutions per model, the second not square (a square latent must not be assumed square)
 SIZES = {"sd15": ((64, 64), (96, 64)), "sdxl": ((64, 64), (96, 64)),
          "flux": ((128, 128), (160, 128)), "sd3": ((128, 128), (160, 128))}
-
-compiled_graphs: list = []
-graph_runs: Counter = Counter()
-
-
-def _counting_backend(gm, example_inputs):
-    index = len(compiled_graphs)
-    compiled_graphs.append(gm)
-
-    def run(*args):
-        graph_runs[index] += 1
-        return gm.forward(*args)
-
-    return run
-
-
-def _register_counting_backend() -> None:
-    from torch._dynamo import list_backends, register_backend
-
-    if COUNTING not in list_backends(exclude_tags=()):
-        register_backend(compiler_fn=_counting_backend, name=COUNTING)
-
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-# Tiny UNets 64 channels wide: with the default 32, a GroupNorm of 32 groups holds one channel per group and
-# dynamo compiles those blocks apart from the wider ones (real UNets have 10 or more per group).
-UNET_WIDTH = {"model_channels": 64}
 
 
 def _tiny(kind: str, seed: int = 0):

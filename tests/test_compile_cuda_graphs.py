@@ -17,11 +17,11 @@ import logging
 import pytest
 import torch
 
+from tests.support.counting_backend import UNET_WIDTH
 from tests.support.tiny_models import build_tiny_model, sample
 
 RTOL = 1e-4
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-UNET_WIDTH = {"model_channels": 64}
 
 
 @pytest.fixture(scope="module")
