@@ -63,7 +63,7 @@ def run_middle_block(place: BlockPlace, streams: Streams, run_block: Callable[[]
     call.blocks_seen = True
     prefix = f"{place.segment}."
     if place.resolves_call:
-        call.signature = chunk_signature(streams["img"], len(call.chunk_ids))
+        call.signature = chunk_signature(next(iter(streams.values())), len(call.chunk_ids))
         if call.mode is Mode.CACHED:
             call.cached = run.cache.get(call.chunk_ids, call.signature, run.step)
             if call.cached is None:

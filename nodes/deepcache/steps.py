@@ -79,8 +79,11 @@ def plan_steps(sigmas: Sequence[float], interval: int, start_sigma: float, end_s
 
 
 class Trajectory:
-    """One cached feature over the full steps: its value at the last full step and its finite differences
-    (first, second, ... order, per sampler step), TaylorSeer-style: each full step refreshes them."""
+    """One cached feature over the full steps, as a function of the sampler's step number: its value at the last
+    full step and its divided differences (first, second, ... order), TaylorSeer-style; each full step refreshes
+    them. Over the step number rather than sigma: on the tiny models of every family tried (SD1.5, Flux, Wan,
+    Lumina 2, 20 steps, interval 3 and 5) the step-number forecast beat reuse everywhere, the sigma one lost to
+    reuse on Wan (shifted flow schedules space sigma very unevenly)."""
 
     def __init__(self, order: int) -> None:
         self.order = order
@@ -89,7 +92,7 @@ class Trajectory:
 
     def record(self, step: float, value: torch.Tensor) -> None:
         terms = [value]
-        if self.order and self.step is not None and step > self.step:
+        if self.order and self.step is not None and step != self.step:
             gap = step - self.step
             for previous in self.terms[:self.order]:
                 terms.append((terms[-1] - previous) / gap)
@@ -182,7 +185,7 @@ class DeepCacheRun:
         self.evaluation_fell_back = False
         self.call: ModelCall | None = None
         self.cache = FeatureCache(config.cache_mode)
-        self.step = -1  # the sampler step the current evaluation belongs to
+        self.step = -1  # the sampler step the current evaluation belongs to (counted by sigma)
         self.full_steps = 0
         self.cached_steps = 0
         self.extra_evaluations = 0
