@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (the fixtures imported from test_deepcache_dits are test arguments here)
 """DeepCache against ComfyUI 0.38's block contracts, each swapped alone into the real 0.3.75 model class it
 changes (0.3.75's own forward is the control):
 
@@ -10,35 +11,11 @@ changes (0.3.75's own forward is the control):
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from tests.support.tiny_models import build_tiny_model, sample
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def deepcache(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.deepcache")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _held_sigmas(model, count: int = 3) -> torch.Tensor:
-    """`count` steps at one sigma, then 0: every cached step sees exactly the input of the full step."""
-    sigma = float(model.get_model_object("model_sampling").percent_to_sigma(0.3))
-    return torch.tensor([sigma] * count + [0.0])
+from tests.test_deepcache_dits import _held_sigmas, _rel, deepcache, one_thread  # noqa: F401 (fixtures shared with that module)
 
 
 # --- Lumina 2: 0.38's post-block hooks --------------------------------------------------------------------

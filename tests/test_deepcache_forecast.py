@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (the fixtures imported from test_deepcache_dits are test arguments here)
 """DeepCache's forecast mode on tiny models of a UNet (SD1.5) and three transformer families (Flux and Wan through
 ComfyUI's block-replace patches, Lumina 2 through the block-list swap), sampled with ComfyUI's real sampler."""
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from tests.support.tiny_models import build_tiny_model, sample
+from tests.test_deepcache_dits import _rel, deepcache, one_thread  # noqa: F401 (fixtures shared with that module)
 
 KINDS = ["sd15", "flux", "wan21", "lumina2"]
 # N(0, 0.05) weights make every transformer block matter (as in test_deepcache_dits.py); the UNet's 0.02 is the
@@ -20,19 +22,6 @@ STEPS = 30
 FIRST_STEP = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def deepcache(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.deepcache")
-
-
 _MODELS: dict = {}
 
 
@@ -40,10 +29,6 @@ def tiny(kind: str):
     if kind not in _MODELS:
         _MODELS[kind] = build_tiny_model(kind, weight_std=WEIGHT_STD.get(kind, 0.05))
     return _MODELS[kind]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def smooth_sigmas(model) -> torch.Tensor:
