@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from tests.support.tiny_models import build_tiny_model, sample
-from tests.test_deepcache_dits import _rel, deepcache, one_thread  # noqa: F401 (fixtures shared with that module)
+from tests.test_deepcache_dits import (  # noqa: F401 (fixtures shared with that module)
+    _int8,
+    _rel,
+    deepcache,
+    int8_kernels_on_tiny_layers,
+    one_thread,
+)
 
 KINDS = ["sd15", "flux", "wan21", "lumina2"]
 # N(0, 0.05) weights make every transformer block matter (as in test_deepcache_dits.py); the UNet's 0.02 is the
@@ -106,3 +112,41 @@ def test_forecast_keeps_one_extra_tensor_per_order_and_stream_and_frees_them_aft
 def test_an_unknown_mode_is_a_clear_error(deepcache):
     with pytest.raises(ValueError, match="mode must be one of reuse, forecast"):
         deepcache.apply_deepcache(tiny("flux"), 3, 1, mode="taylor")
+
+
+@pytest.mark.parametrize("kind", ["flux", "lumina2"])
+def test_forecast_composes_with_int8_and_lora_in_either_order(deepcache, pack, kind, int8_kernels_on_tiny_layers):
+    """INT8 before or after DeepCache in forecast mode (INT8 kernels really run), and a LoRA before or after it:
+    interval 1 is the other node alone, interval 3 gives the same result in either order."""
+    from comfyui_int8_accel.kernels import record_calls
+
+    model = tiny(kind)
+    int8 = _int8(pack, model)
+    int8_alone = sample(int8, kind, steps=5)
+    orders = {"int8 then deepcache": lambda i: deepcache.apply_deepcache(int8, i, 1, mode="forecast"),
+              "deepcache then int8": lambda i: _int8(pack, deepcache.apply_deepcache(model, i, 1, mode="forecast"))}
+    for order, build in orders.items():
+        assert torch.equal(sample(build(1), kind, steps=5), int8_alone), order
+        with record_calls() as calls:
+            out = sample(build(3), kind, steps=5)
+        assert sum(n for (_, _, path), n in calls.items() if path == "int8") > 0, (order, calls)
+        assert torch.isfinite(out).all() and _rel(out, int8_alone) < 0.1, order
+
+    net = model.get_model_object("diffusion_model")
+    gen = torch.Generator().manual_seed(5)
+    keys = {f"diffusion_model.{name}": (torch.randn(param.shape, generator=gen) * 0.05,)
+            for name, param in net.named_parameters()
+            if param.ndim == 2 and ("blocks." in name or name.startswith("layers."))}
+    lora = model.clone()
+    assert len(lora.add_patches(keys, 1.0)) == len(keys) > 0
+    lora_alone = sample(lora, kind, steps=5)
+
+    def cache_then_lora(interval: int):
+        patched = deepcache.apply_deepcache(model, interval, 1, mode="forecast").clone()
+        patched.add_patches(keys, 1.0)
+        return patched
+
+    assert torch.equal(sample(cache_then_lora(1), kind, steps=5), lora_alone)
+    lora_then_cache = sample(deepcache.apply_deepcache(lora, 3, 1, mode="forecast"), kind, steps=5)
+    assert not torch.equal(lora_then_cache, lora_alone)
+    assert torch.equal(sample(cache_then_lora(3), kind, steps=5), lora_then_cache)
