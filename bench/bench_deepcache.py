@@ -1,4 +1,5 @@
-"""DeepCache side by side with ComfyUI's EasyCache: sampling speed-up and PSNR against the uncached model (CPU).
+"""DeepCache (reuse and forecast modes) side by side with ComfyUI's EasyCache and LazyCache: sampling speed-up and
+PSNR against the uncached model (CPU).
 
 Two models with random weights:
 * sd15: the full-size SD1.5 architecture (the random checkpoint, loaded with ComfyUI's own loader); CFG 7;
@@ -7,13 +8,16 @@ Two models with random weights:
   ComfyUI's Flux model class) with a few blocks (--flux-blocks DOUBLE,SINGLE; the default 2,4 is about 1.1 B
   parameters, 4.5 GB in fp32); guidance 3.5, cfg 1; PSNR of the latent (there is no VAE).
 
-For each model: the baseline, DeepCache at cache_interval 2, 3 and 5 (cache_depth 1), and ComfyUI's EasyCache
-(its node with the node's default start/end percent, 0.15 / 0.95) at a sweep of reuse_threshold values.
+For each model: the baseline, DeepCache at cache_interval 2, 3 and 5 (cache_depth 1) in each mode (reuse: cached
+steps take the deep features of the last full step; forecast: extrapolated from the last full steps), and
+ComfyUI's EasyCache and LazyCache (their nodes with the nodes' default start/end percent, 0.15 / 0.95) at a sweep
+of reuse_threshold values.
 Configurations are interleaved round by round and the median time per configuration is reported; the speed-up
 used for matching is the ratio of process CPU times (other jobs on a shared machine disturb it much less than
 wall time). "Deep passes" counts how often a deep block ran (DeepCache: full steps; EasyCache: model calls it
-did not skip). The matched table puts each DeepCache setting next to EasyCache at the same speed-up (its PSNR
-interpolated along the sweep) and at the same PSNR (its speed-up interpolated).
+did not skip). The matched table puts each DeepCache setting next to EasyCache and LazyCache at the same speed-up
+(their PSNR interpolated along the sweep); the goals lines compare forecast with reuse at interval 5 (PSNR) and at
+reuse interval 3's PSNR (forecast's speed-up interpolated along its intervals).
 
 Usage: .venv/bin/python bench/bench_deepcache.py [--model sd15|flux|both] [--quick] [--rounds N]
                                                 [--thresholds T,T,...] [--flux-blocks D,S] [--out PATH]
@@ -43,6 +47,8 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench.common import cpu_line, psnr  # noqa: E402
 
 INTERVALS = (2, 3, 5)
+MODES = ("reuse", "forecast")
+SKIPPERS = ("EasyCache", "LazyCache")
 THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2.0)
 EASYCACHE_START, EASYCACHE_END = 0.15, 0.95
 
@@ -120,16 +126,18 @@ def flux_workload(size: int, steps: int, double: int, single: int) -> Workload:
 
 
 def variants(work: Workload, thresholds: tuple[float, ...]) -> dict[str, object]:
-    from comfy_extras.nodes_easycache import EasyCacheNode
+    from comfy_extras.nodes_easycache import EasyCacheNode, LazyCacheNode
 
     deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache")
     out = {"baseline": work.model}
-    for interval in INTERVALS:
-        out[f"DeepCache interval {interval}"] = deepcache.apply_deepcache(work.model, cache_interval=interval,
-                                                                          cache_depth=1)
-    for threshold in thresholds:
-        out[f"EasyCache {threshold:g}"] = EasyCacheNode.execute(work.model, threshold, EASYCACHE_START,
-                                                                EASYCACHE_END, False).result[0]
+    for mode in MODES:
+        for interval in INTERVALS:
+            out[f"DeepCache {mode} {interval}"] = deepcache.apply_deepcache(work.model, cache_interval=interval,
+                                                                            cache_depth=1, mode=mode)
+    for skipper, node in zip(SKIPPERS, (EasyCacheNode, LazyCacheNode), strict=True):
+        for threshold in thresholds:
+            out[f"{skipper} {threshold:g}"] = node.execute(work.model, threshold, EASYCACHE_START, EASYCACHE_END,
+                                                           False).result[0]
     return out
 
 
@@ -202,17 +210,26 @@ def tables(work: Workload, results: dict[str, Result]) -> str:
             db += " | " + ("reference" if name == "baseline" else f"{psnr(r.latent, base.latent):.2f} dB")
         lines.append(f"| {name} | {statistics.median(r.wall):.2f} | {base_wall / statistics.median(r.wall):.2f}x "
                      f"| {speed[name]:.2f}x | {r.deep_passes} | {db} |")
-    easy = [(speed[name], dbs[name]) for name in results if name.startswith("EasyCache") and math.isfinite(dbs[name])]
-    easy_by_db = [(db, s) for s, db in easy]
-    lines += ["", "| DeepCache | its speed-up | its PSNR | EasyCache PSNR at that speed-up | EasyCache speed-up "
-                  "at that PSNR |", "|---|---|---|---|---|"]
-    for interval in INTERVALS:
-        name = f"DeepCache interval {interval}"
-        at_speed = interpolate(easy, speed[name])
-        at_db = interpolate(easy_by_db, dbs[name])
-        lines.append(f"| interval {interval} | {speed[name]:.2f}x | {dbs[name]:.2f} dB | "
-                     + (f"{at_speed:.2f} dB" if at_speed is not None else "outside EasyCache's sweep") + " | "
-                     + (f"{at_db:.2f}x" if at_db is not None else "outside EasyCache's sweep") + " |")
+    curves = {skipper: [(speed[name], dbs[name]) for name in results
+                        if name.startswith(skipper) and math.isfinite(dbs[name])] for skipper in SKIPPERS}
+    lines += ["", "| DeepCache | its speed-up | its PSNR | " + " | ".join(f"{skipper} PSNR at that speed-up"
+                                                                       for skipper in SKIPPERS) + " |",
+              "|---|---|---|" + "---|" * len(SKIPPERS)]
+    for mode in MODES:
+        for interval in INTERVALS:
+            name = f"DeepCache {mode} {interval}"
+            matched = [interpolate(curves[skipper], speed[name]) for skipper in SKIPPERS]
+            lines.append(f"| {mode}, interval {interval} | {speed[name]:.2f}x | {dbs[name]:.2f} dB | " + " | ".join(
+                f"{db:.2f} dB" if db is not None else "outside its sweep" for db in matched) + " |")
+    gain = dbs["DeepCache forecast 5"] - dbs["DeepCache reuse 5"]
+    target = dbs["DeepCache reuse 3"]
+    forecast_speed = interpolate([(dbs[f"DeepCache forecast {i}"], speed[f"DeepCache forecast {i}"])
+                                  for i in INTERVALS], target)
+    lines += ["", f"Interval 5: forecast is {gain:+.2f} dB against reuse (goal: at least +2 dB).",
+              f"At reuse interval 3's PSNR ({target:.2f} dB, {speed['DeepCache reuse 3']:.2f}x): forecast "
+              + (f"{forecast_speed:.2f}x, {forecast_speed / speed['DeepCache reuse 3']:.2f} times reuse's speed-up"
+                 if forecast_speed is not None else "outside forecast's intervals (interpolation impossible)")
+              + " (goal: at least 1.3 times)."]
     return "\n".join(lines)
 
 
@@ -240,6 +257,7 @@ def main() -> None:
     import comfy.model_management
 
     sections = []
+    start_load = os.getloadavg()
     for name in (("sd15", "flux") if args.model == "both" else (args.model,)):
         if name == "sd15":
             work = sd15_workload(*((128, 6) if args.quick else (args.sd15_size, 20)))
@@ -249,26 +267,38 @@ def main() -> None:
         section = f"## {name}\n\n{work.description}.\n\n{tables(work, results)}\n"
         print("\n" + section, flush=True)
         sections.append(section)
+        write_results(out_path, args, sections, start_load)
         del work, results
         comfy.model_management.unload_all_models()
         gc.collect()
 
+def write_results(out_path: Path | None, args, sections: list[str], start_load: tuple) -> None:
+    """Write what is measured so far (after each model, so a long run leaves its first model's tables)."""
+    if out_path is None:
+        return
     command = " ".join(["bench/bench_deepcache.py", *sys.argv[1:]])
     load = os.getloadavg()
     text = (
-        "# DeepCache and ComfyUI's EasyCache\n\n"
+        "# DeepCache reuse / forecast, ComfyUI's EasyCache and LazyCache\n\n"
         f"CPU: {cpu_line()}.\n\nRandom weights, in-process `comfy.sample.sample`; median of {args.rounds} "
-        "interleaved round(s). DeepCache: cache_depth 1. EasyCache: ComfyUI's node, start_percent "
-        f"{EASYCACHE_START}, end_percent {EASYCACHE_END}, reuse_threshold as named. The matched table interpolates "
-        "EasyCache's sweep linearly (CPU-time speed-up vs PSNR). Random weights make the outputs noise-like: PSNR "
-        "measures drift from the uncached result, not visual quality.\n"
-        f"Load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written, on {os.cpu_count()} cores.\n\n"
+        "interleaved round(s). DeepCache: cache_depth 1, mode reuse or forecast. EasyCache and LazyCache: ComfyUI's "
+        f"nodes, start_percent {EASYCACHE_START}, end_percent {EASYCACHE_END}, reuse_threshold as named. The "
+        "matched table interpolates each of their sweeps linearly (CPU-time speed-up vs PSNR).\n\n"
+        "What random weights can and cannot show: the networks are the real architectures at real width, so the "
+        "time of every block, the share a cached step skips and the speed-ups carry over to trained weights of "
+        "the same shape. The outputs are noise-like, so PSNR measures how far caching drifts from the uncached "
+        "run of the same network, not image quality; how smoothly a trained model's deep features move from "
+        "step to step (what forecasting relies on, and what EasyCache's and LazyCache's thresholds react to) "
+        "differs from a random network's, so the PSNR gaps between the methods are indications, not "
+        "predictions for trained checkpoints.\n\n"
+        f"Load average {start_load[0]:.1f} / {start_load[1]:.1f} / {start_load[2]:.1f} at the start, "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written, on {os.cpu_count()} cores (a shared "
+        "machine: other jobs ran at the same time; all ratios are from this one process).\n\n"
         f"Command: `.venv/bin/python {command}`\n\n" + "\n".join(sections)
     )
-    if out_path is not None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(text)
-        print(f"wrote {out_path}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(text)
+    print(f"wrote {out_path}", flush=True)
 
 
 if __name__ == "__main__":

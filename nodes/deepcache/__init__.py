@@ -8,19 +8,25 @@ import logging
 from .dit import install_dit, uncached_message
 from .families import block_layout, family_of, supported_names
 from .segments import max_depth
-from .steps import STATE_KEY, WRAPPER_KEY, DeepCacheConfig, install_step_wrappers
+from .steps import STATE_KEY, WRAPPER_KEY, CacheMode, DeepCacheConfig, install_step_wrappers
 from .unet import install_unet, is_unet, max_unet_depth
 
 log = logging.getLogger("int8_accel.deepcache")
 
-__all__ = ["DeepCacheConfig", "apply_deepcache"]
+CACHE_MODES = tuple(mode.value for mode in CacheMode)
+
+__all__ = ["CACHE_MODES", "DeepCacheConfig", "apply_deepcache"]
 
 
 def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_percent: float = 0.0,
-                    end_percent: float = 1.0):
+                    end_percent: float = 1.0, mode: str = "reuse"):
     """Return a clone of `model` (a ModelPatcher) with DeepCache; raise ValueError on bad settings or a model
-    DeepCache cannot cache (the node then fails with that message in the page)."""
-    config = DeepCacheConfig(int(cache_interval), int(cache_depth), float(start_percent), float(end_percent))
+    DeepCache cannot cache (the node then fails with that message in the page). `mode` is what cached steps use
+    for the deep features: "reuse" (the last full step's) or "forecast" (extrapolated from the last full steps)."""
+    if mode not in CACHE_MODES:
+        raise ValueError(f"DeepCache: mode={mode!r} is not one of {', '.join(CACHE_MODES)}.")
+    config = DeepCacheConfig(int(cache_interval), int(cache_depth), float(start_percent), float(end_percent),
+                             CacheMode(mode))
     if config.problem():
         raise ValueError(f"DeepCache: {config.problem()}.")
 

@@ -4,6 +4,11 @@ Block stacks whose forward honours ComfyUI's `patches_replace["dit"]` get a bloc
 any patch already there). The others get their block list swapped, for the duration of a cached or capturing
 model call only (a DIFFUSION_MODEL wrapper, the innermost one, so other nodes' wrappers see the real model),
 for one whose middle blocks are `CachedBlock`s.
+
+Post-block hooks (`BlockStack.post_hooks`) run on the blocks that run: on a cached call the hooks of the
+skipped middle blocks are not called. A segment's last block stands for the segment: its hooks run on the
+segment's result (input plus cached residual), as they ran on the block's output when the residual was taken
+(the residual is measured before them, so they are not counted twice).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..wrapper_args import wrapper_arg
 from .families import BlockStack, Family
 from .segments import BlockPlace, Streams, middle_places, run_middle_block
 from .steps import WRAPPER_KEY, Mode, active_call
@@ -38,6 +44,41 @@ def install_dit(model, depth: int, family: Family, layout: list[tuple[int, int]]
             swapped.setdefault(stack_number, {})[index] = place
     if swapped:
         model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, _block_swap(family, swapped))
+    skipped_hooks: dict[str, set[int]] = {}
+    for (stack_number, index), place in middle_places(layout, depth).items():
+        hooks = family.stacks[stack_number].post_hooks
+        if hooks is not None and not place.ends:
+            skipped_hooks.setdefault(hooks, set()).add(index)
+    if skipped_hooks:
+        model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, _post_hook_gate(skipped_hooks))
+
+
+def _post_hook_gate(skipped: dict[str, set[int]]) -> Callable:
+    """An APPLY_MODEL wrapper (inside the step wrapper) that, for the call, puts each post-block hook behind a
+    gate that passes the streams through unchanged for a middle block a cached call skips."""
+
+    def gate(hook: Callable, indices: set[int]) -> Callable:
+        def gated_hook(args: dict):
+            call = active_call()
+            if call is not None and call.mode is Mode.CACHED and args.get("block_index") in indices:
+                return {name: args[name] for name in ("img",) if name in args}
+            return hook(args)
+
+        return gated_hook
+
+    def deepcache_post_hook_gate(executor, *args, **kwargs):
+        options = wrapper_arg(args, kwargs, 5, "transformer_options", None)
+        patches = (options or {}).get("patches") or {}
+        if active_call() is None or not any(patches.get(key) for key in skipped):
+            return executor(*args, **kwargs)
+        options["patches"] = {**patches, **{key: [gate(hook, indices) for hook in patches[key]]
+                                            for key, indices in skipped.items() if patches.get(key)}}
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            options["patches"] = patches
+
+    return deepcache_post_hook_gate
 
 
 def _block_patch(place: BlockPlace, stack: BlockStack, previous: Callable | None) -> Callable:
@@ -45,12 +86,35 @@ def _block_patch(place: BlockPlace, stack: BlockStack, previous: Callable | None
         def run_block() -> dict:
             return previous(args, extra) if previous is not None else extra["original_block"](args)
 
-        streams = {name: args[name] for name in stack.streams if args.get(name) is not None}
-        return run_middle_block(place, streams, run_block)
+        streams = _flatten({name: args[name] for name in stack.streams if args.get(name) is not None})
+        return _unflatten(run_middle_block(place, streams, lambda: _flatten(run_block())))
 
     deepcache_block.int8_accel_deepcache = True
     deepcache_block.previous = previous
     return deepcache_block
+
+
+def _flatten(streams: dict) -> Streams:
+    """A stream that is a tuple of tensors becomes one stream per part ("img" -> "img.0", "img.1")."""
+    flat = {}
+    for name, value in streams.items():
+        if isinstance(value, (tuple, list)):
+            flat.update({f"{name}.{part}": tensor for part, tensor in enumerate(value)})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _unflatten(flat: Streams) -> dict:
+    streams, parts = {}, {}
+    for name, value in flat.items():
+        base, _, part = name.rpartition(".")
+        if base and part.isdigit():
+            parts.setdefault(base, {})[int(part)] = value
+        else:
+            streams[name] = value
+    streams.update({base: tuple(values[i] for i in sorted(values)) for base, values in parts.items()})
+    return streams
 
 
 class CachedBlock(torch.nn.Module):

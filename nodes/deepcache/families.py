@@ -9,21 +9,30 @@ stack is reached one of two ways:
 * `arguments`: the forward calls the blocks directly; DeepCache swaps the block list for the duration of a
   model call, and `arguments` says at which position / under which keyword each stream enters a block. The
   block returns its streams in `streams` order (a tensor when there is one).
+
+A stream may be a tuple of tensors (LTX-2 passes video and audio as one "img"); each part is cached on its own.
+`post_hooks` names the list in `transformer_options["patches"]` the forward runs after every block
+(`{"img": ..., "block_index": i, ...}`, as ComfyUI 0.38's Lumina and Qwen-Image 2.1 do).
 """
 
 from __future__ import annotations
 
 import importlib
+import operator
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class BlockStack:
-    attribute: str  # the nn.ModuleList on the diffusion model
+    attribute: str  # the nn.ModuleList on the diffusion model (a dotted path when it sits in a submodule)
     streams: tuple[str, ...]  # what a block carries to the next one, in the order it returns them
     patch: str | None = None  # the key kind of patches_replace["dit"] the forward honours for these blocks
     arguments: tuple[tuple[int, str], ...] = ()  # otherwise: (position, keyword) each stream enters by
     skip_attribute: str | None = None  # names a list of block indices the forward never runs
+    post_hooks: str | None = None  # the patches list the forward runs after each block, with its block_index
+
+    def blocks(self, diffusion_model):
+        return operator.attrgetter(self.attribute)(diffusion_model)
 
 
 @dataclass(frozen=True)
@@ -55,10 +64,15 @@ FAMILIES: tuple[Family, ...] = (
            (BlockStack("blocks", ("img",), patch="double_block"),)),
     Family("Qwen-Image", "comfy.ldm.qwen_image.model", "QwenImageTransformer2DModel",
            (BlockStack("transformer_blocks", ("img", "txt"), patch="double_block"),)),
-    Family("LTX-Video", "comfy.ldm.lightricks.model", "LTXVModel",
+    Family("Qwen-Image 2.1", "comfy.ldm.qwen_image21.model", "QwenImage21Transformer2DModel",
+           (BlockStack("transformer_blocks", ("img",), patch="single_block", post_hooks="single_block"),)),
+    # LTX-2 (LTXAVModel) is an LTXVModel whose "img" is the tuple (video, audio)
+    Family("LTX-Video / LTX-2", "comfy.ldm.lightricks.model", "LTXVModel",
            (BlockStack("transformer_blocks", ("img",), patch="double_block"),)),
     Family("Lumina 2 / Z-Image", "comfy.ldm.lumina.model", "NextDiT",
-           (BlockStack("layers", ("img",), arguments=((0, "x"),)),)),
+           (BlockStack("layers", ("img",), arguments=((0, "x"),), post_hooks="double_block"),)),
+    Family("HiDream-O1", "comfy.ldm.hidream_o1.model", "HiDreamO1Transformer",
+           (BlockStack("language_model.layers", ("x",), patch="double_block"),)),
     Family("HiDream", "comfy.ldm.hidream.model", "HiDreamImageTransformer2DModel",
            (BlockStack("double_stream_blocks", ("img", "txt"), arguments=((0, "image_tokens"), (2, "text_tokens"))),
             BlockStack("single_stream_blocks", ("img",), arguments=((0, "image_tokens"),)))),
@@ -84,6 +98,6 @@ def block_layout(diffusion_model, family: Family) -> list[tuple[int, int]]:
     layout = []
     for number, stack in enumerate(family.stacks):
         skipped = set(getattr(diffusion_model, stack.skip_attribute, ()) or ()) if stack.skip_attribute else set()
-        layout += [(number, index) for index in range(len(getattr(diffusion_model, stack.attribute)))
+        layout += [(number, index) for index in range(len(stack.blocks(diffusion_model)))
                    if index not in skipped]
     return layout

@@ -5,11 +5,13 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..node_schema import pack_schema, widget_problem
-from . import DeepCacheConfig, apply_deepcache
+from . import CACHE_MODES, DeepCacheConfig, apply_deepcache
 from .families import supported_names
 from .page_status import show_runs_on_node
 
 MAX_DEPTH_WIDGET = 64
+# reuse until a full-size bench run shows forecast ahead on both model kinds (bench/bench_deepcache.py)
+DEFAULT_MODE = "reuse"
 
 DESCRIPTION = (
     "DeepCache: runs the whole network only every `cache_interval` sampler steps; in between, only the "
@@ -51,6 +53,11 @@ class Int8AccelDeepCache(io.ComfyNode):
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01, tooltip=(
                     "Where in the sampling schedule caching ends (1 = last step). Must be larger than "
                     "start_percent.")),
+                io.Combo.Input("mode", options=list(CACHE_MODES), default=DEFAULT_MODE, tooltip=(
+                    "What cached steps use for the deep features. reuse: those of the last full step. forecast: "
+                    "extrapolated to the current step from the last full steps (second-order finite differences "
+                    "over the step number), closer to the uncached result at the same speed; keeps two more "
+                    "cached tensors per stream. cache_interval 1 is identical to the model in both modes.")),
             ],
             outputs=[io.Model.Output(display_name="model",
                                      tooltip="The model with DeepCache applied (the input model is not modified).")],
@@ -66,7 +73,7 @@ class Int8AccelDeepCache(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, cache_interval: int, cache_depth: int, start_percent: float,
-                end_percent: float) -> io.NodeOutput:
-        patched = apply_deepcache(model, cache_interval, cache_depth, start_percent, end_percent)
+                end_percent: float, mode: str = DEFAULT_MODE) -> io.NodeOutput:
+        patched = apply_deepcache(model, cache_interval, cache_depth, start_percent, end_percent, mode)
         show_runs_on_node(patched, cache_depth, cls.hidden.unique_id if cls.hidden else None)
         return io.NodeOutput(patched)

@@ -63,9 +63,9 @@ def run_middle_block(place: BlockPlace, streams: Streams, run_block: Callable[[]
     call.blocks_seen = True
     prefix = f"{place.segment}."
     if place.resolves_call:
-        call.signature = chunk_signature(streams["img"], len(call.chunk_ids))
+        call.signature = chunk_signature(next(iter(streams.values())), len(call.chunk_ids))
         if call.mode is Mode.CACHED:
-            call.cached = run.cache.get(call.chunk_ids, call.signature)
+            call.cached = run.cache.get(call.chunk_ids, call.signature, run.step)
             if call.cached is None:
                 run.fall_back_to_capture(call)
     if call.mode is Mode.CAPTURE:
@@ -76,7 +76,7 @@ def run_middle_block(place: BlockPlace, streams: Streams, run_block: Callable[[]
             inputs = call.scratch.pop(place.segment, {})
             for name, value in out.items():
                 if value is not None and name in inputs and inputs[name].shape == value.shape:
-                    run.cache.put(call.chunk_ids, call.signature, prefix + name, value - inputs[name])
+                    run.cache.put(call.chunk_ids, call.signature, prefix + name, value - inputs[name], run.step)
         return out
     # cached: skip the block; the segment's last block returns its input plus the cached residual
     if place.starts:  # a ControlNet may add to the passed-through tensor in place: keep the clean input

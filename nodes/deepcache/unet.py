@@ -135,7 +135,7 @@ def install_unet(model, depth: int) -> None:
             return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
         signature = chunk_signature(x, len(call.chunk_ids))
         if call.mode is Mode.CACHED:
-            cached = run.cache.get(call.chunk_ids, signature, ("h",))
+            cached = run.cache.get(call.chunk_ids, signature, run.step, ("h",))
             if cached is not None:
                 return cached_unet_forward(executor.class_obj, depth, cached["h"], x, timesteps, context, y,
                                            control, transformer_options, skipped_transformers, **kwargs)
@@ -143,7 +143,7 @@ def install_unet(model, depth: int) -> None:
         call.captured.clear()
         out = executor(x, timesteps, context, y, control, transformer_options, **kwargs)
         if "h" in call.captured:
-            run.cache.put(call.chunk_ids, signature, "h", call.captured.pop("h"))
+            run.cache.put(call.chunk_ids, signature, "h", call.captured.pop("h"), run.step)
         return out
 
     model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, deepcache_unet_forward)
