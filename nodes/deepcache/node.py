@@ -53,7 +53,8 @@ class Int8AccelDeepCache(io.ComfyNode):
                 io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01, tooltip=(
                     "Where in the sampling schedule caching ends (1 = last step). Must be larger than "
                     "start_percent.")),
-                io.Combo.Input("mode", options=list(CACHE_MODES), default=DEFAULT_MODE, tooltip=(
+                # optional: API prompts written before the input existed still validate (and mean reuse)
+                io.Combo.Input("mode", options=list(CACHE_MODES), default=DEFAULT_MODE, optional=True, tooltip=(
                     "What cached steps use for the deep features. reuse: those of the last full step. forecast: "
                     "extrapolated to the current step from the last full steps (second-order finite differences "
                     "over the step number), closer to the uncached result at the same speed; keeps two more "
