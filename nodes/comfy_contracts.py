@@ -82,8 +82,11 @@ def converts_itself(patch: Callable) -> bool:
 
 
 def has_weight_patches(module: torch.nn.Module) -> bool:
-    """True when ComfyUI left per-forward weight patches on `module` (LoRA or weight wrappers of any contract)."""
-    return any(getattr(module, f"{name}_function", None) or getattr(module, f"{name}_lowvram_function", None)
+    """True when ComfyUI left per-forward weight patches on `module` (LoRA or weight wrappers of any contract).
+    Entries that pass their tensor through unchanged (`passes_through`, such as the pack's own bookkeeping
+    markers) change no weight and are not patches."""
+    return any(getattr(module, f"{name}_lowvram_function", None)
+               or any(not getattr(entry, "passes_through", False) for entry in getattr(module, f"{name}_function", ()) or ())
                for name in PARAMETERS)
 
 

@@ -153,11 +153,11 @@ def test_int8_copies_take_width_and_place_from_the_device_that_computes(comfy_ro
     there), the layers compute on a device whose backend takes 8-bit weights. Emulated on the CPU with the meta
     device as the computing device (its backend, the reference one, takes 8 bits)."""
     from comfyui_int8_accel.kernels import backend_for, weight_bits
-    from comfyui_int8_accel.kernels import quant as kernel_quant
+    from comfyui_int8_accel.kernels import policy as kernel_policy
     from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
 
     monkeypatch.delenv("INT8_ACCEL_WEIGHT_BITS", raising=False)
-    monkeypatch.setattr(kernel_quant, "cpu_has_int8_dot_product", lambda: False)
+    monkeypatch.setattr(kernel_policy, "cpu_has_int8_dot_product", lambda: False)
     assert backend_for("cpu") == "cpu" and weight_bits("cpu") == 7 and weight_bits("meta") == 8
     base = build_tiny_model("sd15")
     out, plan = _quantized(quant, base)
@@ -194,11 +194,11 @@ def test_dynamic_vram_load_keeps_the_int8_copies_resident_counted_and_freed_on_u
     import comfy.model_patcher
     from comfy.patcher_extension import CallbacksMP
 
-    from comfyui_int8_accel.kernels import quant as kernel_quant
+    from comfyui_int8_accel.kernels import policy as kernel_policy
     from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
 
     monkeypatch.delenv("INT8_ACCEL_WEIGHT_BITS", raising=False)
-    monkeypatch.setattr(kernel_quant, "cpu_has_int8_dot_product", lambda: False)  # 7-bit weights on this "host"
+    monkeypatch.setattr(kernel_policy, "cpu_has_int8_dot_product", lambda: False)  # 7-bit weights on this "host"
     base = build_tiny_model("sd15")
     out, plan = _quantized(quant, base)
     gpu = torch.device("meta")

@@ -22,6 +22,8 @@ class Int8CopyMarker:
     """Entry in a float layer's `bias_function`: passes the bias through, and releases the layer's INT8 copy
     when ComfyUI moves the layer (returning the bytes that frees on the device ComfyUI loaded it to)."""
 
+    passes_through = True  # changes no bias: not a weight patch (comfy_contracts.has_weight_patches)
+
     def __init__(self, name: str, release: Callable[[str], int]) -> None:
         self.name = name
         self.counted_bytes = 0  # bytes of the INT8 copy added to the model's loaded memory
