@@ -29,17 +29,23 @@ def _runs() -> list[_Run]:
     return _active.runs
 
 
-def _on_compile_start(args) -> None:
+# PyTorch before 2.5 calls these callbacks without arguments (no compile id); compiles then nest by thread, so
+# one key per thread stands in for it.
+def _compile_key(args) -> object:
+    return getattr(args, "compile_id", threading.get_ident())
+
+
+def _on_compile_start(args=None) -> None:
     for run in _runs():
-        run.started[args.compile_id] = time.perf_counter()
+        run.started[_compile_key(args)] = time.perf_counter()
         if run.compiles == 0 and len(run.started) == 1:
             show_on_node("compiling (the first run at these settings; later runs reuse the compiled graphs) ...",
                          run.node_id)
 
 
-def _on_compile_end(args) -> None:
+def _on_compile_end(args=None) -> None:
     for run in _runs():
-        started = run.started.pop(args.compile_id, None)
+        started = run.started.pop(_compile_key(args), None)
         if started is not None:
             run.compiles += 1
             run.compile_seconds += time.perf_counter() - started
