@@ -1,5 +1,5 @@
-"""The `triton` backend: Triton kernels for the activation quantizer, the rescale epilogue and the INT8 conv,
-`torch._int_mm` for the Linear GEMM.
+"""The `triton` backend: Triton kernels for the activation quantizers (per token for Linear, affine per tensor for
+the conv), the rescale epilogue and the INT8 conv, `torch._int_mm` for the Linear GEMM.
 
 Its quantization formulas are the reference's, written so the kernels reproduce them bit for bit: its results
 equal the `cuda` backend's exactly. Without a GPU it runs only under TRITON_INTERPRET=1 (set before triton is
@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from .cuda import int_mm_padded, prepared_linear_weight, quantize_conv_input, weight_column_sums
+from .cuda import int_mm_padded, prepared_linear_weight, weight_column_sums
 
 
 def _kernels() -> ModuleType:
@@ -54,6 +54,7 @@ def linear(
 
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
-    xq, zp_signed, scale = quantize_conv_input(x)
-    return _kernels().conv2d_int8(xq, zp_signed, scale, q_weight, weight_column_sums(q_weight), w_scale, bias,
-                                  stride, padding, dilation, groups, x.dtype)
+    triton_kernels = _kernels()
+    xq, zp_signed, scale = triton_kernels.quantize_affine(x)
+    return triton_kernels.conv2d_int8(xq, zp_signed, scale, q_weight, weight_column_sums(q_weight), w_scale,
+                                      bias, stride, padding, dilation, groups, x.dtype)

@@ -1,6 +1,14 @@
-"""Triton kernels of the `triton` backend: per-token activation quantizer, rescale epilogue, INT8 implicit-GEMM conv
-that writes the output dtype itself. Each is autotuned over a few block shapes on the GPU (one large block
-under the interpreter).
+"""Triton kernels of the `triton` backend: per-token activation quantizer, per-tensor affine (conv) activation
+quantizer, rescale epilogue, INT8 implicit-GEMM conv that writes the output dtype itself. Each is autotuned over a
+few block shapes on the GPU (one large block under the interpreter).
+
+The conv's activation quantizer is two kernels of its own, not folded into the conv's loads: the per-tensor
+range must be known before any element is quantized (a pass over the whole tensor either way), and the conv
+loads each activation element once per kernel tap and per output-channel block (9x or more for a 3x3 conv), so
+folding would read the float activation (2-4 bytes) that many times and round it again each time, where the
+separate quantizer reads it twice and the conv then reads 1-byte values. The two kernels read x once each
+(partial minima/maxima, then quantize) and write only the int8 tensor and the 0-d scale and zero point, where
+the torch formulas take about eight passes with float32 copies of the activation.
 
 Guarded: AVAILABLE is False when triton is not importable (the package still imports; the backend then reports
 itself unavailable). With TRITON_INTERPRET=1 in the environment *before triton is first imported* the kernels
@@ -156,6 +164,64 @@ if AVAILABLE:
         tl.store(out_ptr + out_offsets, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+    @triton.jit
+    def _round_half_even(v):
+        # torch.round: to nearest, ties to even, exact for every float32 (v - floor(v) and r + 1 are exact
+        # wherever a fraction can exist, |v| < 2**23). libdevice's rint is not in every release's interpreter.
+        r = tl.floor(v)
+        fraction = v - r
+        odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+        return tl.where((fraction > 0.5) | ((fraction == 0.5) & odd), r + 1.0, r)
+
+    # Both affine kernels run a fixed grid of `programs` (from the tensor's size, not a config) that strides over
+    # the tensor, so the quantize kernel's programs each reduce the same small partial buffer. Keyed on the
+    # channel count (fixed per layer), not on the batch or resolution.
+    @triton.autotune(configs=_configs(({"BLOCK": 8192}, 4), [
+        ({"BLOCK": 1024}, 4), ({"BLOCK": 2048}, 4), ({"BLOCK": 4096}, 8), ({"BLOCK": 8192}, 8)]), key=["C"])
+    @triton.jit
+    def _affine_range_kernel(x_ptr, partial_ptr, N, C, PARTIALS: tl.constexpr, BLOCK: tl.constexpr):
+        # partial_ptr: [2, PARTIALS] float32, row 0 min(x, 0) and row 1 max(x, 0) of this program's elements.
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        offs = tl.arange(0, BLOCK)
+        lo = tl.zeros([BLOCK], dtype=tl.float32)
+        hi = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(pid * BLOCK, N, programs * BLOCK):
+            v = tl.load(x_ptr + start + offs, mask=start + offs < N, other=0.0).to(tl.float32)
+            lo = tl.minimum(lo, v)
+            hi = tl.maximum(hi, v)
+        tl.store(partial_ptr + pid, tl.min(lo, axis=0))
+        tl.store(partial_ptr + PARTIALS + pid, tl.max(hi, axis=0))
+
+    @triton.autotune(configs=_configs(({"BLOCK": 8192}, 4), [
+        ({"BLOCK": 1024}, 4), ({"BLOCK": 2048}, 4), ({"BLOCK": 4096}, 8), ({"BLOCK": 8192}, 8)]), key=["C"])
+    @triton.jit
+    def _quantize_affine_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, zero_point_ptr, N, C,
+                                PARTIALS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        # Same formulas as quant.affine_qparams and quant.round_affine, stored signed (q - 128, zero point - 128).
+        # The partials already hold min(x, 0) and max(x, 0): the clamps to zero are in them.
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        parts = tl.arange(0, PARTIALS)
+        lo = tl.min(tl.load(partial_ptr + parts, mask=parts < programs, other=0.0), axis=0)
+        hi = tl.max(tl.load(partial_ptr + PARTIALS + parts, mask=parts < programs, other=0.0), axis=0)
+        span = hi - lo
+        scale = tl.where(span > 0, tl.math.div_rn(span, tl.full([], 255.0, tl.float32)), 1.0)
+        zero_point = _round_half_even(tl.math.div_rn(-lo, scale))
+        zero_point = tl.minimum(tl.maximum(zero_point, 0.0), 255.0)
+        inv_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
+        offs = tl.arange(0, BLOCK)
+        for start in range(pid * BLOCK, N, programs * BLOCK):
+            mask = start + offs < N
+            v = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+            q = _round_half_even(v * inv_scale + zero_point)
+            q = tl.minimum(tl.maximum(q, 0.0), 255.0) - 128.0
+            tl.store(q_ptr + start + offs, q.to(tl.int8), mask=mask)
+        if pid == 0:
+            tl.store(scale_ptr, scale)
+            tl.store(zero_point_ptr, (zero_point - 128.0).to(tl.int32))
+
+
 def _require() -> None:
     if not AVAILABLE:
         raise RuntimeError("triton is not importable")
@@ -171,6 +237,32 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
     _quantize_rows_kernel[grid](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), **EXACT)
     return q, scale
+
+
+# The affine kernels' grid: one program per AFFINE_GRAIN elements, at most AFFINE_PROGRAMS (a power of two: the
+# partial buffer each quantize program reduces). Fewer under the interpreter, which runs programs one by one.
+AFFINE_GRAIN = 16384 if INTERPRETED else 32768
+AFFINE_PROGRAMS = 16 if INTERPRETED else 512
+
+
+def quantize_affine(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`cuda.quantize_conv_input` in two launches: (int8 q - 128 in x's shape, contiguous; 0-d int32 zero point
+    - 128; 0-d float32 scale), bit for bit. One kernel reads x for partial minima and maxima, the other reads it
+    again to quantize; nothing else of x's size is allocated and nothing is read on the host. The channel count
+    (dim 1, or 1) keys the autotuning."""
+    _require()
+    x = x.detach().contiguous()
+    n = x.numel()
+    channels = x.shape[1] if x.dim() > 1 else 1
+    programs = max(1, min(triton.cdiv(n, AFFINE_GRAIN), AFFINE_PROGRAMS))
+    partials = torch.empty((2, AFFINE_PROGRAMS), dtype=torch.float32, device=x.device)
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    zero_point = torch.empty((), dtype=torch.int32, device=x.device)
+    _affine_range_kernel[(programs,)](x, partials, n, channels, PARTIALS=AFFINE_PROGRAMS, **EXACT)
+    _quantize_affine_kernel[(programs,)](x, partials, q, scale, zero_point, n, channels,
+                                         PARTIALS=AFFINE_PROGRAMS, **EXACT)  # fmt: skip
+    return q, zero_point, scale
 
 
 def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

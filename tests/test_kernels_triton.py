@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -31,6 +32,7 @@ from comfyui_int8_accel.kernels import (  # noqa: E402
     quantize_weight_per_channel,
     record_calls,
 )
+from comfyui_int8_accel.kernels import cuda as cuda_backend  # noqa: E402
 from comfyui_int8_accel.kernels import triton_kernels as _triton_kernels  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +93,107 @@ def test_row_quantizer_is_bit_exact(tk):
     q, s = tk.quantize_rows(half)
     q_ref, s_ref = quant.quantize_rows_symmetric(half)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+def _conv_input(case: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    if case == "several-strides":  # more than AFFINE_GRAIN x AFFINE_PROGRAMS elements, not a multiple of a block
+        x = torch.randn(2, 33, 67, 61, generator=g).relu() - 0.2
+        x.view(-1)[-1] = 7.5  # the extremes in the last partial block and in a middle one
+        x.view(-1)[123457] = -3.25
+        return x
+    if case == "ties":
+        # scale exactly 1 and zero point 10.5 -> 10: every value and the zero point lie halfway between integers,
+        # where torch.round goes to even and floor(v + 0.5) does not
+        return torch.arange(-10.5, 244.6, 0.5).reshape(1, 1, 7, 73)
+    return {
+        "all-negative": lambda: -torch.rand(1, 3, 5, 7, generator=g) - 0.1,
+        "all-zero": lambda: torch.zeros(1, 4, 9, 9),
+        "constant": lambda: torch.full((2, 4, 9, 9), 0.37),
+        "constant-negative": lambda: torch.full((2, 5, 3, 3), -2.5),
+        "tiny": lambda: torch.randn(1, 16, 9, 11, generator=g) * 1e-20 + 3e-21,
+        "fp16": lambda: (torch.randn(2, 64, 17, 19, generator=g) * 3).half(),
+        "bf16": lambda: (torch.randn(2, 64, 17, 19, generator=g) * 3 + 1).bfloat16(),
+        "transposed": lambda: torch.randn(2, 8, 16, 12, generator=g).permute(0, 1, 3, 2),
+        "channels-last": lambda: torch.randn(2, 24, 7, 5, generator=g).contiguous(memory_format=torch.channels_last),
+    }[case]()
+
+
+@pytest.mark.parametrize("case", ["several-strides", "ties", "all-negative", "all-zero", "constant",
+                                  "constant-negative", "tiny", "fp16", "bf16", "transposed", "channels-last"])  # fmt: skip
+def test_conv_input_quantizer_is_bit_exact(tk, case):
+    """The Triton affine quantizer against the torch formula it replaces (the `cuda` backend's)."""
+    x = _conv_input(case)
+    q, zero_point, scale = tk.quantize_affine(x)
+    q_ref, zero_point_ref, scale_ref = cuda_backend.quantize_conv_input(x)
+    assert q.dtype == torch.int8 and q.shape == x.shape and q.is_contiguous()
+    assert zero_point.dtype == torch.int32 and zero_point.shape == () and scale.dtype == torch.float32 and scale.shape == ()
+    assert torch.equal(zero_point, zero_point_ref) and torch.equal(scale, scale_ref)
+    assert torch.equal(q, q_ref)
+    if case == "ties":
+        assert float(scale) == 1.0 and int(zero_point) == 10 - 128
+
+
+class _Ops(TorchDispatchMode):
+    """Records every aten op run inside, with the dtypes and shapes of the tensors it allocates (`empty`; the
+    interpreter's empty placeholders for argument storage are not allocations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+        self.allocated: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.names.add(func.overloadpacket.__name__)
+        if func.overloadpacket is torch.ops.aten.empty and out.numel() > 0:
+            self.allocated.append((out.dtype, tuple(out.shape)))
+        return out
+
+
+# Under the interpreter, its own transfers of kernel arguments (no arithmetic): views of argument storage and
+# copies back into it.
+_INTERPRETER_TRANSFERS = {"detach", "new_empty", "set_", "copy_"}
+
+
+def test_conv_activation_quantization_is_two_launches_reading_x_once_each(tk, monkeypatch):
+    """The triton conv quantizes its input with two Triton launches that allocate only their outputs (int8 x,
+    0-d scale and zero point) and a small partial buffer: none of the torch formula's passes and float32
+    copies (`quant.affine_qparams`, `quant.round_affine`)."""
+    from triton.runtime.autotuner import Autotuner
+
+    q, s, b = weights((16, 24, 3, 3), 8)
+    x = (torch.randn(2, 24, 13, 11).relu() - 0.3).half()
+    expected = by_backend(int8_conv2d, x, q, s, b, 1, 1)["cuda"]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the triton backend ran the torch formula")
+
+    for module in (quant, cuda_backend):
+        monkeypatch.setattr(module, "affine_qparams", forbidden)
+        monkeypatch.setattr(module, "round_affine", forbidden)
+    launches = []
+    autotuned_run = Autotuner.run
+
+    def counting_run(self, *args, **kwargs):
+        launches.append(self.base_fn.__name__)
+        return autotuned_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Autotuner, "run", counting_run)
+    with force_backend("triton"), record_calls() as calls:
+        y = int8_conv2d(x, q, s, b, 1, 1)
+    assert calls == {("conv2d", "triton", "int8"): 1}
+    assert launches == ["_affine_range_kernel", "_quantize_affine_kernel", "_conv2d_int8_kernel"]
+    assert torch.equal(y, expected)
+
+    launches.clear()
+    with _Ops() as ops:
+        tk.quantize_affine(x)
+    assert launches == ["_affine_range_kernel", "_quantize_affine_kernel"]
+    assert ops.names <= {"empty"} | _INTERPRETER_TRANSFERS, ops.names
+    assert sorted(ops.allocated, key=str) == sorted(
+        [(torch.int8, tuple(x.shape)), (torch.float32, (2, tk.AFFINE_PROGRAMS)), (torch.float32, ()),
+         (torch.int32, ())], key=str)  # fmt: skip
 
 
 @pytest.mark.parametrize("bits", [7, 8])
