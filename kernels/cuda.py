@@ -72,7 +72,7 @@ def quantize_conv_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 
     The zero point is a 0-d int32 tensor and the scale a 0-d float32 tensor, both on x's device. The int8
     GEMMs take signed operands; the zero point is removed afterwards in int32 through the weight column sums,
-    exactly.
+    exactly. The formula that the `triton` backend's `triton_kernels.quantize_affine` reproduces bit for bit.
     """
     scale, zero_point = affine_qparams(x)
     xq = (round_affine(x, scale, zero_point) - 128).to(torch.int8)

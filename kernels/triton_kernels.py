@@ -179,14 +179,13 @@ if AVAILABLE:
     @triton.autotune(configs=_configs(({"BLOCK": 8192}, 4), [
         ({"BLOCK": 1024}, 4), ({"BLOCK": 2048}, 4), ({"BLOCK": 4096}, 8), ({"BLOCK": 8192}, 8)]), key=["C"])
     @triton.jit
-    def _affine_range_kernel(x_ptr, partial_ptr, N, C, PARTIALS: tl.constexpr, BLOCK: tl.constexpr):
+    def _affine_range_kernel(x_ptr, partial_ptr, N, C, programs, PARTIALS: tl.constexpr, BLOCK: tl.constexpr):
         # partial_ptr: [2, PARTIALS] float32, row 0 min(x, 0) and row 1 max(x, 0) of this program's elements.
         pid = tl.program_id(0)
-        programs = tl.num_programs(0)
-        offs = tl.arange(0, BLOCK)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
         lo = tl.zeros([BLOCK], dtype=tl.float32)
         hi = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(pid * BLOCK, N, programs * BLOCK):
+        for start in range(0, N, programs * BLOCK):  # host-side bounds: the interpreter takes no tensor here
             v = tl.load(x_ptr + start + offs, mask=start + offs < N, other=0.0).to(tl.float32)
             lo = tl.minimum(lo, v)
             hi = tl.maximum(hi, v)
@@ -196,12 +195,11 @@ if AVAILABLE:
     @triton.autotune(configs=_configs(({"BLOCK": 8192}, 4), [
         ({"BLOCK": 1024}, 4), ({"BLOCK": 2048}, 4), ({"BLOCK": 4096}, 8), ({"BLOCK": 8192}, 8)]), key=["C"])
     @triton.jit
-    def _quantize_affine_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, zero_point_ptr, N, C,
+    def _quantize_affine_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, zero_point_ptr, N, C, programs,
                                 PARTIALS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         # Same formulas as quant.affine_qparams and quant.round_affine, stored signed (q - 128, zero point - 128).
         # The partials already hold min(x, 0) and max(x, 0): the clamps to zero are in them.
         pid = tl.program_id(0)
-        programs = tl.num_programs(0)
         parts = tl.arange(0, PARTIALS)
         lo = tl.min(tl.load(partial_ptr + parts, mask=parts < programs, other=0.0), axis=0)
         hi = tl.max(tl.load(partial_ptr + PARTIALS + parts, mask=parts < programs, other=0.0), axis=0)
@@ -210,8 +208,8 @@ if AVAILABLE:
         zero_point = _round_half_even(tl.math.div_rn(-lo, scale))
         zero_point = tl.minimum(tl.maximum(zero_point, 0.0), 255.0)
         inv_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
-        offs = tl.arange(0, BLOCK)
-        for start in range(pid * BLOCK, N, programs * BLOCK):
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        for start in range(0, N, programs * BLOCK):
             mask = start + offs < N
             v = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
             q = _round_half_even(v * inv_scale + zero_point)
@@ -259,8 +257,8 @@ def quantize_affine(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     zero_point = torch.empty((), dtype=torch.int32, device=x.device)
-    _affine_range_kernel[(programs,)](x, partials, n, channels, PARTIALS=AFFINE_PROGRAMS, **EXACT)
-    _quantize_affine_kernel[(programs,)](x, partials, q, scale, zero_point, n, channels,
+    _affine_range_kernel[(programs,)](x, partials, n, channels, programs, PARTIALS=AFFINE_PROGRAMS, **EXACT)
+    _quantize_affine_kernel[(programs,)](x, partials, q, scale, zero_point, n, channels, programs,
                                          PARTIALS=AFFINE_PROGRAMS, **EXACT)  # fmt: skip
     return q, zero_point, scale
 
