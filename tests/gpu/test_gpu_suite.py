@@ -1,6 +1,7 @@
 """The GPU suite (`make test-gpu`): the INT8 CUDA path on a real NVIDIA GPU.
 
-Kernel results against their definition and the reference at fp16/bf16, weight-cache hits, no host sync in an
+Kernel results against their definition and the reference at fp16/bf16, the Triton conv-input quantizer against
+the torch formula, weight-cache hits, no host sync in an
 INT8 layer's forward (`torch.cuda.set_sync_debug_mode("error")`), CUDA-graph capture and replay of a quantized
 block (also after an in-place LoRA), and the Compile Model node's recompile counts across a LoRA strength
 change and two resolutions. It needs INT8_ACCEL_TESTS_ON_GPU=1 (set by `make test-gpu`) so that ComfyUI runs on the
@@ -143,6 +144,34 @@ def test_conv_matches_its_definition(backend, x_shape, cout, kernel, stride, pad
     reference = torch.nn.functional.conv2d(x.float(), q.float() * s[:, None, None, None], b.to(dtype).float(),
                                            stride, padding, 1, groups)
     assert relative_error(y, reference) < 0.03  # 8-bit per-tensor activations: about 1%
+
+
+def gpu_conv_input(case: str, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    if case == "several-strides":  # more than AFFINE_GRAIN x AFFINE_PROGRAMS elements, not a multiple of a block
+        x = torch.randn(2, 641, 127, 129, generator=g).relu() - 0.2
+        x.view(-1)[-1], x.view(-1)[1234567] = 7.5, -3.25
+    elif case == "ties":  # scale 1, zero point 10.5 -> 10, every value halfway: torch.round's ties to even
+        x = torch.arange(-10.5, 244.6, 0.5).reshape(1, 1, 7, 73)
+    elif case == "all-negative":
+        x = -torch.rand(2, 3, 33, 35, generator=g) - 0.1
+    else:  # constant
+        x = torch.full((2, 5, 31, 3), 0.375)
+    return x.to(DEVICE, dtype)
+
+
+@pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}")
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("case", ["several-strides", "ties", "all-negative", "constant"])
+def test_triton_conv_input_quantizer_equals_the_torch_formula(case, dtype):
+    """The Triton conv-input quantizer, compiled, against the torch formula it replaces on the same GPU."""
+    from comfyui_int8_accel.kernels import triton_kernels
+
+    x = gpu_conv_input(case, dtype)
+    q, zero_point, scale = triton_kernels.quantize_affine(x)
+    q_ref, zero_point_ref, scale_ref = cuda_backend.quantize_conv_input(x)
+    assert torch.equal(scale, scale_ref) and torch.equal(zero_point, zero_point_ref)
+    assert torch.equal(q, q_ref)
 
 
 # ---- weight cache ---------------------------------------------------------------------------------------------
