@@ -19,13 +19,13 @@ def deepcache(pack):
 
 @pytest.fixture(scope="module")
 def models(comfy_root):
-    from tests.support.tiny_models import build_tiny_model
+    from harness.tiny_models import build_tiny_model
 
     return {kind: build_tiny_model(kind) for kind in KINDS}
 
 
 def _sample(model, kind, **kwargs):
-    from tests.support.tiny_models import sample
+    from harness.tiny_models import sample
 
     return sample(model, kind, **kwargs)
 
