@@ -1,5 +1,5 @@
-"""What the DeepCache tests on tiny transformer models share: one thread, the node module, sigmas a cached step
-cannot drift on, and INT8 on every eligible layer (run through the INT8 kernels though the layers are tiny)."""
+"""What the DeepCache tests on tiny models share: one thread, the node module, sigmas a cached step cannot drift
+on, and INT8 on every eligible layer (run through the INT8 kernels though the layers are tiny)."""
 
 from __future__ import annotations
 
