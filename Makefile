@@ -8,6 +8,9 @@ export PY
 
 .PHONY: setup setup-browser test test-kernels test-floor test-inprocess test-server test-gpu demo bench lint checkpoint
 
+# The kernel tier (tests/support/tiers.py): tests of kernels/ alone, which run without importing ComfyUI.
+KERNEL_TESTS = tests/test_kernels*.py
+
 setup:
 	@bash scripts/setup.sh >/dev/null
 
@@ -21,22 +24,22 @@ setup-browser: setup
 	fi
 
 checkpoint: setup
-	@$(PY) -m scripts.make_checkpoint
-	@$(PY) -m scripts.make_more_checkpoints
+	@$(PY) -m harness.make_checkpoint
+	@$(PY) -m harness.make_more_checkpoints
 
 test: setup-browser
 	@$(PY) -m pytest tests -q
 	@$(MAKE) --no-print-directory test-floor
 
 test-kernels: setup
-	@$(PY) -m pytest tests -q -m "not server and not browser" -k kernel
+	@$(PY) -m pytest $(KERNEL_TESTS) -q
 
-# The kernel tier and the INT8 -> DeepCache -> Compile smoke on the oldest PyTorch pyproject.toml declares
-# (.venv-floor, built by scripts/setup_floor.sh, which prints that version).
+# The kernel tier, the INT8 layers on the CUDA path and the INT8 -> DeepCache -> Compile smoke on the oldest
+# PyTorch pyproject.toml declares (.venv-floor, built by scripts/setup_floor.sh, which prints that version).
 test-floor: setup
 	@floor="$$(bash scripts/setup_floor.sh)" && \
-	  INT8_ACCEL_EXPECT_TORCH="$$floor" $(CURDIR)/.venv-floor/bin/python -m pytest tests -q \
-	    -m "not server and not browser" -k "kernel or torch_floor"
+	  INT8_ACCEL_EXPECT_TORCH="$$floor" $(CURDIR)/.venv-floor/bin/python -m pytest -q \
+	    $(KERNEL_TESTS) tests/test_int8_layers_gpu_path.py tests/test_torch_floor.py
 
 test-server: setup-browser
 	@$(PY) -m pytest tests -q -m "server or browser"
@@ -46,7 +49,7 @@ test-server: setup-browser
 # driver the build cannot use) it stops with the reason and a non-zero exit.
 test-gpu: setup
 	@bash scripts/setup_gpu.sh
-	@$(PY) -m tests.support.cuda_check
+	@$(PY) -m harness.cuda_check
 	@INT8_ACCEL_TESTS_ON_GPU=1 TRITON_INTERPRET=0 $(PY) -m pytest tests/gpu -q -m gpu
 	@$(PY) bench/bench_gpu.py
 

@@ -79,8 +79,8 @@ class Result:
 def sd15_workload(size: int, steps: int) -> Workload:
     import comfy.sd
 
-    from scripts.make_checkpoint import DEFAULT_NAME, ensure_checkpoint
-    from tests.support.comfy_host import import_comfy
+    from harness.comfy_host import import_comfy
+    from harness.make_checkpoint import DEFAULT_NAME, ensure_checkpoint
 
     ckpt = ensure_checkpoint(import_comfy())
     if not isinstance(ckpt, Path) or not ckpt.is_file():
@@ -102,7 +102,7 @@ def sd15_workload(size: int, steps: int) -> Workload:
 def flux_workload(size: int, steps: int, double: int, single: int) -> Workload:
     import comfy.supported_models as sm
 
-    from tests.support.tiny_models import build_random_model
+    from harness.tiny_models import build_random_model
 
     config = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "patch_size": 2, "vec_in_dim": 768,
               "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": double,
@@ -249,7 +249,7 @@ def main() -> None:
     double, single = (int(n) for n in args.flux_blocks.split(","))
     out_path = args.out or (None if args.quick else REPO_ROOT / "bench" / "results" / "deepcache.md")
 
-    from tests.support.comfy_host import import_comfy, load_pack
+    from harness.comfy_host import import_comfy, load_pack
 
     import_comfy()
     load_pack()

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from harness.int8_layer import Int8Layer  # noqa: E402
+
 # (kind, shape, count per step). Linear: (tokens M, in K, out N); conv: (batch, Cin, H, W, Cout, kernel, stride).
 SD15 = [  # batch 2 (CFG) at 512x512: latent 64x64, transformer tokens 2x4096 / 2x1024 / 2x256
     ("linear", (8192, 320, 320), 30), ("linear", (154, 768, 320), 10), ("linear", (8192, 320, 2560), 5),
@@ -65,23 +67,6 @@ def _median_ms(fn: Callable[[], object], reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-class Int8Layer(torch.nn.Module):
-    """One INT8 op with its weight, scales and bias as module parameters: a CUDA-graph replay reads parameters
-    where they are, while tensors a compiled closure captures are copied into the graph's input buffers on every
-    replay (timing a copy of the weight with each call)."""
-
-    def __init__(self, op: Callable, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor,
-                 *geometry: int) -> None:
-        super().__init__()
-        self.op, self.geometry = op, geometry
-        self.q_weight = torch.nn.Parameter(q_weight, requires_grad=False)
-        self.w_scale = torch.nn.Parameter(w_scale, requires_grad=False)
-        self.bias = torch.nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.q_weight, self.w_scale, self.bias, *self.geometry)
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -193,7 +178,7 @@ def main() -> int:
         print("bench_gpu: no CUDA device here, nothing to measure (the GPU bench needs an NVIDIA GPU)")
         return 0
 
-    from tests.support.comfy_host import load_pack
+    from harness.comfy_host import load_pack
 
     load_pack()
     from comfyui_int8_accel import kernels

@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 from common import REPO_ROOT, cpu_line, load_sd15_unet, psnr, timed_sample, write_table
 
-from tests.support.comfy_host import import_comfy, load_pack
-from tests.support.int8_checks import model_bytes
-from tests.support.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from tests.support.tiny_models import make_conditioning
+from harness.comfy_host import import_comfy, load_pack
+from harness.memory import model_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
+from harness.tiny_models import make_conditioning
 
 VARIANTS = ("fp32", "on-the-fly", "loaded")
 MIB = 2**20

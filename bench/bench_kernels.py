@@ -26,7 +26,7 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.support.comfy_host import load_pack  # noqa: E402
+from harness.comfy_host import load_pack  # noqa: E402
 
 load_pack()  # this repository as the package ComfyUI loads; no ComfyUI needed for the kernels
 

@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.support.comfy_host import import_comfy, load_pack  # noqa: E402
+from harness.comfy_host import import_comfy, load_pack  # noqa: E402
 
 
 @dataclass
@@ -37,7 +37,7 @@ def sd15_checkpoint() -> Path:
     """Path of the random full-size SD1.5 checkpoint (ComfyUI and the pack imported), building it if needed."""
     root = import_comfy()
     load_pack()
-    from scripts.make_checkpoint import ensure_checkpoint
+    from harness.make_checkpoint import ensure_checkpoint
 
     return ensure_checkpoint(root)
 

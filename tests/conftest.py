@@ -1,4 +1,7 @@
-"""Fixtures shared by the three tiers: kernel units, in-process ComfyUI on tiny models, real servers."""
+"""Fixtures shared by the three tiers: kernel units, in-process ComfyUI on tiny models, real servers.
+
+The kernel tier (tests/support/tiers.py) runs without ComfyUI: ComfyUI is imported before any other test module
+is, never for the kernel tier's own."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ SHARED = REPO_ROOT.parent / "shared"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.support.comfy_host import import_comfy, load_pack, tests_on_gpu  # noqa: E402
+from harness.comfy_host import import_comfy, load_pack, tests_on_gpu  # noqa: E402
+from tests.support.tiers import in_kernel_tier  # noqa: E402
 
 # Triton's interpreter must be chosen before triton is first imported (the CUDA-path kernels are tested on
 # CPU tensors through it). The GPU suite (`make test-gpu`, INT8_ACCEL_TESTS_ON_GPU=1) runs Triton compiled.
@@ -23,27 +27,29 @@ if not tests_on_gpu():
 # from run to run; tests that compare INT8 results need a fixed choice and turn it off (the servers inherit
 # this). The gate's own tests turn it on.
 os.environ.setdefault("INT8_ACCEL_SPEED_GATE", "0")
-# One import identity for the whole suite: ComfyUI in CPU mode first, then this repository as the package
-# ComfyUI loads (`comfyui_int8_accel`); tests import `comfyui_int8_accel.kernels` / `.nodes...`, never `kernels`.
-COMFY_ROOT = import_comfy()
-PACK = load_pack()
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    """Before a test module is imported: one import identity for the whole suite, ComfyUI in CPU mode first (not
+    for the kernel tier), then this repository as the package ComfyUI loads (`comfyui_int8_accel`); tests import
+    `comfyui_int8_accel.kernels` / `.nodes...`, never `kernels`."""
+    if not isinstance(collector, pytest.Module):
+        return
+    if not in_kernel_tier(collector.path):
+        import_comfy()
+    load_pack()
 
 
 @pytest.fixture(scope="session")
 def comfy_root() -> Path:
     """The real ComfyUI, imported in-process in CPU mode."""
-    return COMFY_ROOT
+    return import_comfy()
 
 
 @pytest.fixture(scope="session")
 def pack(comfy_root):
     """This repository imported as the custom-node package ComfyUI loads."""
-    return PACK
-
-
-# Relative-L2 error of INT8 results grows about 2x from 8-bit to 7-bit weights (half the steps): bounds that
-# involve INT8 rounding are written for 8 bits and multiplied by this.
-WEIGHT_ERROR_SCALE = {8: 1.0, 7: 2.0}
+    return load_pack()
 
 
 @pytest.fixture(params=[7, 8], ids=["7-bit", "8-bit"])
@@ -77,7 +83,7 @@ def shared_weights() -> Path:
 @pytest.fixture(scope="session")
 def sd15_checkpoint(comfy_root) -> str:
     """Name (as CheckpointLoaderSimple lists it) of the full-size random SD1.5 checkpoint, built once."""
-    from scripts.make_checkpoint import DEFAULT_NAME, ensure_checkpoint
+    from harness.make_checkpoint import DEFAULT_NAME, ensure_checkpoint
 
     ensure_checkpoint(comfy_root)
     return DEFAULT_NAME
@@ -86,8 +92,8 @@ def sd15_checkpoint(comfy_root) -> str:
 @pytest.fixture(scope="session")
 def server(comfy_root, sd15_checkpoint, tmp_path_factory):
     """One real ComfyUI server with the pack, on a free 127.0.0.1 port; always stopped at the end."""
-    from scripts.comfy_server import ComfyServer
-    from scripts.setup_links import link_pack
+    from harness.pack_link import link_pack
+    from harness.server import ComfyServer
 
     link_pack(comfy_root)
     cache = tmp_path_factory.mktemp("int8-calibration")
@@ -97,3 +103,24 @@ def server(comfy_root, sd15_checkpoint, tmp_path_factory):
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture
+def off_cpu_cache(monkeypatch):
+    """The weight cache treats CPU tensors as it treats CUDA ones: no checksum, refills in place."""
+    from comfyui_int8_accel.kernels import weight_cache
+
+    monkeypatch.setattr(weight_cache, "content_checked", lambda device: False)
+
+
+@pytest.fixture
+def models_dir(tmp_path, monkeypatch):
+    """A diffusion_models folder of our own for the node's file list."""
+    import folder_paths
+
+    folder = tmp_path / "diffusion_models"
+    folder.mkdir()
+    monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models",
+                        ([str(folder)], folder_paths.supported_pt_extensions))
+    monkeypatch.delitem(folder_paths.filename_list_cache, "diffusion_models", raising=False)
+    return folder

@@ -152,7 +152,7 @@ def _open_app(page, url: str) -> None:
 
 
 def test_page_offers_the_workflows_in_its_templates_browser(page, server):
-    from scripts.setup_links import LINK_NAME
+    from harness.pack_link import LINK_NAME
 
     page.evaluate("() => window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
     dialog = page.locator("[role=dialog]")

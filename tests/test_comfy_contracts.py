@@ -17,13 +17,10 @@ from comfyui_int8_accel.nodes.int8 import apply_int8, settings_from_widgets
 from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict, layer_tensors
 from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_state_dict
 from comfyui_int8_accel.nodes.int8.modules import Int8Linear
-from tests.conftest import WEIGHT_ERROR_SCALE
+from harness.tiny_models import build_tiny_model, detect_tiny, latent_channels, make_conditioning, sample
 from tests.support import comfy038
-from tests.support.int8_checks import ALL_INT8, rel
+from tests.support.int8_checks import ALL_INT8, WEIGHT_ERROR_SCALE, all_int8_layers, rel
 from tests.support.lora import apply_lora, make_lora
-from tests.support.tiny_models import build_tiny_model, detect_tiny, latent_channels, make_conditioning, sample
-from tests.test_int8_checkpoints import all_int8_layers
-from tests.test_int8_checkpoints import models_dir as models_dir_fixture  # noqa: F401 (a fixture)
 
 # How ComfyUI hands LoRA to a layer: merged into the weight at load; per forward through 0.3.75's LowVramPatch
 # (calls convert_func) or 0.38.1's (never does), both in `weight_function`; or through 0.38.1's dynamic VRAM
@@ -166,7 +163,7 @@ def test_loaded_model_can_be_rebuilt_by_comfyui(pack, request, monkeypatch):
     both rebuild an equivalent INT8 model of their own."""
     import comfy.utils
 
-    models_dir = request.getfixturevalue("models_dir_fixture")  # the loader node's diffusion_models folder
+    models_dir = request.getfixturevalue("models_dir")  # the loader node's diffusion_models folder
     detect_tiny(monkeypatch, "sd15")
     base = build_tiny_model("sd15")
     dm = base.model.diffusion_model

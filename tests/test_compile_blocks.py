@@ -16,10 +16,10 @@ from collections import Counter
 import pytest
 import torch
 
+from harness.tiny_models import build_tiny_model, sample
 from tests.support.counting_backend import COUNTING, UNET_WIDTH, compiled_graphs, graph_runs
 from tests.support.counting_backend import register_counting_backend as _register_counting_backend
 from tests.support.lora import apply_lora, make_lora
-from tests.support.tiny_models import build_tiny_model, sample
 
 RTOL = 1e-4
 INT8_RTOL = 1e-3  # a float difference upstream may flip an activation's INT8 rounding

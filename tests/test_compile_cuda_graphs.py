@@ -17,8 +17,8 @@ import logging
 import pytest
 import torch
 
+from harness.tiny_models import build_tiny_model, sample
 from tests.support.counting_backend import UNET_WIDTH
-from tests.support.tiny_models import build_tiny_model, sample
 
 RTOL = 1e-4
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

@@ -22,10 +22,9 @@ from comfyui_int8_accel.nodes.int8.checkpoint import (
 from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_state_dict
 from comfyui_int8_accel.nodes.int8.modules import Int8Linear
 from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
-from tests.conftest import WEIGHT_ERROR_SCALE
+from harness.tiny_models import build_tiny_model, detect_tiny, sample
 from tests.support.comfy038_quant import core_038_reading, load_as_core_038
-from tests.support.int8_checks import ALL_INT8, rel
-from tests.support.tiny_models import build_tiny_model, detect_tiny, sample
+from tests.support.int8_checks import ALL_INT8, WEIGHT_ERROR_SCALE, rel
 
 LEGACY_CONV_LAYOUT = "conv2d_oihw"  # what the pack wrote for Conv2d before: 4-D weight, [out, 1, 1, 1] scale
 

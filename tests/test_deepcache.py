@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (the fixtures imported from tests.support.deepcache_tiny are test arguments here)
 """DeepCache node on tiny SD1.5 / SDXL / Flux / SD3 models running ComfyUI's real sampler, plus one server run."""
 
 from __future__ import annotations
@@ -9,23 +10,20 @@ import math
 import pytest
 import torch
 
+from tests.support.deepcache_tiny import deepcache, int8_everywhere  # noqa: F401 (deepcache: a fixture)
+
 KINDS = ["sd15", "sdxl", "flux", "sd3"]
 
 
 @pytest.fixture(scope="module")
-def deepcache(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.deepcache")
-
-
-@pytest.fixture(scope="module")
 def models(comfy_root):
-    from tests.support.tiny_models import build_tiny_model
+    from harness.tiny_models import build_tiny_model
 
     return {kind: build_tiny_model(kind) for kind in KINDS}
 
 
 def _sample(model, kind, **kwargs):
-    from tests.support.tiny_models import sample
+    from harness.tiny_models import sample
 
     return sample(model, kind, **kwargs)
 
@@ -283,25 +281,17 @@ def test_unet_cached_path_reproduces_the_full_forward_from_a_fresh_cache(pack, m
 
 
 # --- composition -------------------------------------------------------------------------------------
-def _int8(pack, model):
-    int8 = importlib.import_module("comfyui_int8_accel.nodes.int8")
-    settings = int8.QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
-    quantized, report = int8.apply_int8(model, settings)
-    assert quantized is not model, report
-    return quantized
-
-
 def test_composes_with_int8_in_either_order(deepcache, models, pack):
     model = models["sd15"]
     baseline = _sample(model, "sd15", steps=4)
-    int8 = _int8(pack, model)
+    int8 = int8_everywhere(model)
     int8_alone = _sample(int8, "sd15", steps=4)
     assert not torch.equal(int8_alone, baseline)
     combinations = {
         "int8 then deepcache": (deepcache.apply_deepcache(int8, cache_interval=2, cache_depth=1),
                                 deepcache.apply_deepcache(int8, cache_interval=1, cache_depth=1)),
-        "deepcache then int8": (_int8(pack, deepcache.apply_deepcache(model, cache_interval=2, cache_depth=1)),
-                                _int8(pack, deepcache.apply_deepcache(model, cache_interval=1, cache_depth=1))),
+        "deepcache then int8": (int8_everywhere(deepcache.apply_deepcache(model, cache_interval=2, cache_depth=1)),
+                                int8_everywhere(deepcache.apply_deepcache(model, cache_interval=1, cache_depth=1))),
     }
     for order, (cached, exact) in combinations.items():
         with CallRecorder(model, "sd15") as rec:

@@ -1,5 +1,5 @@
 """`make test-gpu` cannot pass vacuously: without a CUDA device that computes, its entry point
-(tests/support/cuda_check.py) and the GPU suite itself exit non-zero with the reason, and a CPU-only torch is
+(harness/cuda_check.py) and the GPU suite itself exit non-zero with the reason, and a CPU-only torch is
 named as such. These run where there is no usable CUDA (this machine); on a GPU machine they skip."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.comfy_host import REPO_ROOT
+from harness.comfy_host import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA works here: the GPU suite itself runs")
 
@@ -24,20 +24,20 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
 def test_the_make_target_checks_cuda_before_the_suite():
     dry = subprocess.run(["make", "-n", "test-gpu"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     lines = dry.stdout.splitlines()
-    check = next(i for i, line in enumerate(lines) if "-m tests.support.cuda_check" in line)
+    check = next(i for i, line in enumerate(lines) if "-m harness.cuda_check" in line)
     suite = next(i for i, line in enumerate(lines) if "pytest tests/gpu" in line)
     replace = next(i for i, line in enumerate(lines) if "scripts/setup_gpu.sh" in line)
     assert replace < check < suite
 
 
 def test_the_entry_point_fails_with_the_reason():
-    result = _run("-m", "tests.support.cuda_check")
+    result = _run("-m", "harness.cuda_check")
     assert result.returncode == 1
     assert "GPU suite cannot run:" in result.stderr and "CUDA" in result.stderr
 
 
 def test_a_cpu_only_torch_is_named(monkeypatch):
-    from tests.support.cuda_check import cuda_problem
+    from harness.cuda_check import cuda_problem
 
     monkeypatch.setattr(torch.version, "cuda", None)
     assert "CPU-only build" in cuda_problem()

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
+from harness.comfy_host import REPO_ROOT
 
 
 def test_pack_imports_outside_comfyui_without_crashing():
@@ -36,7 +36,7 @@ def test_pack_exports_its_nodes_inside_comfyui(pack):
 
 @pytest.mark.parametrize("kind", ["sd15", "sdxl", "flux", "sd3"])
 def test_tiny_models_sample_deterministically(comfy_root, kind):
-    from tests.support.tiny_models import build_tiny_model, sample
+    from harness.tiny_models import build_tiny_model, sample
 
     model = build_tiny_model(kind)
     first = sample(model, kind, steps=2)

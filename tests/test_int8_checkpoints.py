@@ -33,10 +33,9 @@ from comfyui_int8_accel.nodes.int8.loader import (
     resident_memory_line,
 )
 from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d, Int8Linear
-from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
-from tests.support.int8_checks import ALL_INT8, model_bytes, rel
-from tests.support.lora import apply_lora, make_lora
-from tests.support.tiny_models import (
+from comfyui_int8_accel.nodes.int8.plan import find_candidates
+from harness.memory import model_bytes
+from harness.tiny_models import (
     build_tiny_model,
     detect_tiny,
     latent_channels,
@@ -44,17 +43,13 @@ from tests.support.tiny_models import (
     sample,
     tiny_model_config,
 )
+from tests.support.int8_checks import ALL_INT8, all_int8_layers, rel
+from tests.support.lora import apply_lora, make_lora
 
 
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
-
-
-def all_int8_layers(diffusion_model) -> dict[str, torch.nn.Module]:
-    """Every eligible layer as the pack's INT8 module, built the way the Quantize node builds them."""
-    return {name: Int8Plan._quantize_layer(diffusion_model.get_submodule(path), kind)
-            for name, (path, kind) in find_candidates(diffusion_model).items()}
 
 
 # --- the format ---------------------------------------------------------------------------------------------------
@@ -204,19 +199,6 @@ def test_a_file_quantized_by_comfy_kitchen_loads_and_samples(ck, tmp_path, monke
 
 
 # --- Load Diffusion Model (INT8) ------------------------------------------------------------------------------------
-
-@pytest.fixture
-def models_dir(tmp_path, monkeypatch):
-    """A diffusion_models folder of our own for the node's file list."""
-    import folder_paths
-
-    folder = tmp_path / "diffusion_models"
-    folder.mkdir()
-    monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusion_models",
-                        ([str(folder)], folder_paths.supported_pt_extensions))
-    monkeypatch.delitem(folder_paths.filename_list_cache, "diffusion_models", raising=False)
-    return folder
-
 
 def test_load_node_declares_its_file_combo(pack, models_dir):
     (models_dir / "a.safetensors").write_bytes(b"")

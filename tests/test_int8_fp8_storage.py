@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from comfyui_int8_accel.kernels import backend_unavailable_reason, force_backend, record_calls, weight_bits
-from tests.conftest import WEIGHT_ERROR_SCALE
-from tests.support.int8_checks import ALL_INT8, rel
-from tests.support.tiny_models import build_tiny_model, sample
+from harness.tiny_models import build_tiny_model, sample
+from tests.support.int8_checks import ALL_INT8, WEIGHT_ERROR_SCALE, rel
 
 SIZE = {"sd15": 64, "flux": 128}
 HELD = (torch.float32, torch.float16, torch.bfloat16)

@@ -25,8 +25,9 @@ from comfyui_int8_accel.nodes.int8 import apply_int8, int8_plan, settings_from_w
 from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_diffusion_model
 from comfyui_int8_accel.nodes.int8.plan import find_candidates
 from comfyui_int8_accel.nodes.int8.save import save_int8_model
-from tests.support.int8_checks import ALL_INT8, model_bytes, rel
-from tests.support.tiny_models import sample
+from harness.memory import model_bytes
+from harness.tiny_models import sample
+from tests.support.int8_checks import ALL_INT8, rel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZE = 256  # pixels: a 32x32 latent

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from comfyui_int8_accel.kernels import record_calls
+from harness.tiny_models import build_tiny_model, sample
 from tests.support.int8_checks import ALL_INT8
-from tests.support.tiny_models import build_tiny_model, sample
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from comfyui_int8_accel.kernels import record_calls
-from tests.support.tiny_models import build_tiny_model, sample
+from harness.tiny_models import build_tiny_model, sample
 from tests.support.workflows_common import PENDING, report_table_rows
 
 PICTURE_SIZE = (512, 768)  # height, width

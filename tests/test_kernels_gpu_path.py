@@ -1,15 +1,14 @@
 """The CUDA INT8 path (`cuda` and `triton` backends) run on CPU tensors: exact against the reference's definitions,
-each weight prepared once per version, no host read anywhere in a call, and the INT8 layers traceable by
-torch.compile(fullgraph=True) without a graph break.
+each weight prepared once per version, and no host read anywhere in a call (the INT8 layers on that path:
+test_int8_layers_gpu_path.py).
 
 Off the CPU the weight cache trusts identity stamps and `weight_changed` instead of checksums; the tests that
-need that behaviour switch the cache to it for CPU tensors (`off_cpu_cache`). The Triton kernels run under the
-interpreter (TRITON_INTERPRET=1, set by conftest before triton is imported).
+need that behaviour switch the cache to it for CPU tensors (`off_cpu_cache`, in conftest). The Triton kernels run
+under the interpreter (TRITON_INTERPRET=1, set by conftest before triton is imported).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
 
 import pytest
@@ -25,23 +24,13 @@ from comfyui_int8_accel.kernels import (
     ops,
     quant,
     quantize_weight_per_channel,
-    record_calls,
-    weight_cache,
     weight_changed,
 )
 from comfyui_int8_accel.kernels.weight_cache import CACHE
-from tests.support.int8_exact import exact_conv, exact_linear, run_on_backend
+from tests.support.int8_exact import GPU_PATH, exact_conv, exact_linear, run_on_backend
 
 QMAX = {8: 127, 7: 63}
-TRITON = ops.backend_unavailable_reason("triton")
-GPU_PATH = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}"))]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture
-def off_cpu_cache(monkeypatch):
-    """The weight cache treats CPU tensors as it treats CUDA ones: no checksum, refills in place."""
-    monkeypatch.setattr(weight_cache, "content_checked", lambda device: False)
 
 
 def weights(shape, bits: int, seed: int = 0):
@@ -176,61 +165,6 @@ def test_cache_entries_die_with_their_weight(off_cpu_cache):
     assert len(CACHE) == before
 
 
-@pytest.fixture(scope="module")
-def int8_modules(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.int8.modules")
-
-
-@pytest.mark.parametrize("backend", GPU_PATH)
-def test_int8_layers_re_prepare_after_an_in_place_lora(backend, int8_modules, off_cpu_cache):
-    """ComfyUI's hook patching calls set_weight(inplace_update=True): the layer announces the write."""
-    torch.manual_seed(0)
-    float_conv = torch.nn.Conv2d(4, 24, 3, padding=1)
-    layer = int8_modules.Int8Conv2d.from_float(float_conv, qmax=127)
-    x = torch.randn(1, 4, 9, 9)
-    with force_backend(backend):
-        y = layer(x)
-        patched = float_conv.weight.detach() * 1.5 + 0.01
-        layer.set_weight(patched, inplace_update=True)
-        fresh = int8_modules.Int8Conv2d(patched, float_conv.bias.detach(), 1, 1, 1, 1, qmax=127)
-        fresh.weight_scale = layer.weight_scale  # the in-place path keeps the base scale
-        fresh.weight.data.copy_(layer.weight)
-        weight_changed(fresh.weight)  # a write its version counter misses: its prepared forms are rebuilt
-        assert torch.equal(layer(x), fresh(x))
-        assert not torch.equal(layer(x), y)
-
-
-@pytest.mark.parametrize("backend", GPU_PATH)
-def test_a_forward_after_preparation_builds_no_derived_weight(backend, int8_modules, off_cpu_cache):
-    """Padded rows and column sums are built when a layer is prepared (built, requantized, or moved to its device
-    and refreshed), never inside a call, where a CUDA-graph warm-up or capture may be running."""
-    torch.manual_seed(0)
-    with force_backend(backend):
-        built = sum(CACHE.builds.values())
-        layers = [
-            (int8_modules.Int8Linear.from_float(torch.nn.Linear(100, 36), qmax=127), torch.randn(2, 17, 100)),
-            (int8_modules.Int8Conv2d.from_float(torch.nn.Conv2d(4, 24, 3, padding=1), qmax=127),
-             torch.randn(1, 4, 9, 9)),
-            (int8_modules.Int8Conv2d.from_float(torch.nn.Conv2d(12, 18, 3, padding=1, groups=3), qmax=127),
-             torch.randn(2, 12, 8, 8)),
-        ]
-        assert sum(CACHE.builds.values()) > built, "preparing built nothing: the test would prove nothing"
-        for layer, x in layers:
-            entries, builds = len(CACHE), Counter(CACHE.builds)
-            layer(x)
-            assert (len(CACHE), CACHE.builds) == (entries, builds), type(layer).__name__
-        # a weight that moved (ComfyUI's load replaces the parameters' data) is prepared by the refresh the loader
-        # runs after loading
-        root = torch.nn.Sequential(*(layer for layer, _ in layers))
-        for layer, _ in layers:
-            layer.weight.data = layer.weight.data.clone()
-        int8_modules.refresh_int8_weights(root)
-        for layer, x in layers:
-            entries, builds = len(CACHE), Counter(CACHE.builds)
-            layer(x)
-            assert (len(CACHE), CACHE.builds) == (entries, builds), type(layer).__name__
-
-
 # ---- no host read ---------------------------------------------------------------------------------------------
 
 # Ops that read a device value on the host (or need one to size their output): each is a stream sync on CUDA.
@@ -277,37 +211,3 @@ def test_the_host_read_detector_detects():
         float(torch.ones(()).sum())
         quant.normalized_mse(torch.ones(3), torch.ones(3))
     assert len(mode.reads) >= 2
-
-
-# ---- torch.compile(fullgraph=True) ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
-@pytest.mark.parametrize("backend", GPU_PATH)
-def test_int8_layers_trace_without_graph_breaks(backend, compile_backend, int8_modules):
-    from torch._dynamo.utils import counters
-
-    torch.manual_seed(1)
-    block = torch.nn.Sequential(
-        int8_modules.Int8Conv2d.from_float(torch.nn.Conv2d(8, 16, 3, padding=1), qmax=127),
-        torch.nn.SiLU(),
-        torch.nn.Flatten(2),
-    )
-    head = int8_modules.Int8Linear.from_float(torch.nn.Linear(64, 24), qmax=127)
-
-    def forward(x):
-        return head(block(x))
-
-    x = torch.randn(2, 8, 8, 8)
-    with force_backend(backend):
-        eager = forward(x)
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(forward, fullgraph=True, backend=compile_backend)
-        with record_calls() as calls:
-            y = compiled(x)
-            y2 = compiled(torch.randn(2, 8, 8, 8))
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1
-    assert torch.equal(y, eager) and y2.shape == eager.shape
-    assert calls == {("conv2d", backend, "int8"): 2, ("linear", backend, "int8"): 2}

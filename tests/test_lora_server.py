@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from scripts.demo import txt2img_prompt
+from harness.prompts import txt2img_prompt
 from tests.support.workflows_common import int8_report, with_report_preview
 
 pytestmark = pytest.mark.server

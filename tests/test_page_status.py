@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from tests.support.tiny_models import build_tiny_model, sample
+from harness.tiny_models import build_tiny_model, sample
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from comfyui_int8_accel.kernels import record_calls
-from tests.conftest import WEIGHT_ERROR_SCALE
+from harness.tiny_models import build_tiny_model, sample
+from tests.support.int8_checks import WEIGHT_ERROR_SCALE
 from tests.support.lora import apply_lora, make_lora
-from tests.support.tiny_models import build_tiny_model, sample
 from tests.support.workflows_common import report_table_rows
 
 KINDS = ["sd15", "sdxl", "flux", "sd3"]

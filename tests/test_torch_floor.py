@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
+from harness.tiny_models import build_tiny_model, sample
 from tests.support.int8_checks import ALL_INT8, rel
-from tests.support.tiny_models import build_tiny_model, sample
 
 KIND = "sd15"
 EXPECT_TORCH_ENV = "INT8_ACCEL_EXPECT_TORCH"

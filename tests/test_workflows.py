@@ -180,8 +180,8 @@ def test_server_runs_the_pack_of_this_checkout(server):
 
 
 def test_api_workflows_name_checkpoints_the_model_factories_make():
-    from scripts.make_checkpoint import DEFAULT_NAME
-    from scripts.make_more_checkpoints import CLIP_L_NAME, SD3_NAME, SDXL_VEGA_NAME, WAN21_NAME, WAN21_VAE_NAME
+    from harness.make_checkpoint import DEFAULT_NAME
+    from harness.make_more_checkpoints import CLIP_L_NAME, SD3_NAME, SDXL_VEGA_NAME, WAN21_NAME, WAN21_VAE_NAME
 
     def named(class_type: str, input_name: str) -> set[str]:
         return {node["inputs"][input_name] for name in NAMES for node in load_api(name).values()
@@ -392,7 +392,7 @@ def test_int8_file_workflows_save_then_load_the_same_image(server, int8_file):  
 
 @pytest.mark.server
 def test_workflows_are_listed_and_served_as_templates(server):
-    from scripts.setup_links import LINK_NAME
+    from harness.pack_link import LINK_NAME
 
     listed = server.get("/workflow_templates").json()
     assert sorted(listed.get(LINK_NAME, [])) == NAMES  # api/ prompts are not offered as templates

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 SD15 = "int8accel_random_sd15.safetensors"
 SDXL = "int8accel_random_sdxl_vega.safetensors"  # SDXL family, light enough for a CPU
 SD3 = "int8accel_random_sd3.safetensors"
-# Wan 2.1 loads as three files; these are the random, reduced-size test stand-ins (scripts/make_more_checkpoints).
+# Wan 2.1 loads as three files; these are the random, reduced-size test stand-ins (harness/make_more_checkpoints.py).
 WAN21 = "int8accel_random_wan21_t2v.safetensors"
 WAN21_VAE = "int8accel_random_wan21_vae.safetensors"
 CLIP_L = "int8accel_random_clip_l.safetensors"

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from tests.support.comfy_host import ON_GPU_ENV
-from tests.support.cuda_check import cuda_problem
+from harness.comfy_host import ON_GPU_ENV
+from harness.cuda_check import cuda_problem
 
 if os.environ.get(ON_GPU_ENV) == "1":
     _problem = cuda_problem()

@@ -269,8 +269,8 @@ def test_compile_model_recompiles_once_per_shape_family_and_never_for_a_lora(pac
     import comfy.model_management
     from torch._dynamo.utils import counters
 
+    from harness.tiny_models import build_tiny_model, sample
     from tests.support.lora import apply_lora, make_lora
-    from tests.support.tiny_models import build_tiny_model, sample
 
     assert comfy.model_management.get_torch_device().type == "cuda", "ComfyUI runs on the CPU in this process"
     compile_core = importlib.import_module("comfyui_int8_accel.nodes.compile")
@@ -308,8 +308,8 @@ def test_reduce_overhead_matches_eager_over_two_prompts_at_two_resolutions(pack,
     so the regions must still be compiled at the end."""
     from comfyui_int8_accel.nodes import compile as compile_core
     from comfyui_int8_accel.nodes.compile import blocks
+    from harness.tiny_models import build_tiny_model, sample
     from tests.support.int8_checks import rel
-    from tests.support.tiny_models import build_tiny_model, sample
 
     model = build_tiny_model(kind, seed=5)
     settings = compile_core.CompileSettings(mode="reduce-overhead")
@@ -361,7 +361,7 @@ def _stored_as(kind: str, storage: str, monkeypatch):
     the compute dtype for this GPU and casts per layer where it must; and the fp32 model it came from."""
     import comfy.sd
 
-    from tests.support.tiny_models import build_tiny_model, detect_tiny
+    from harness.tiny_models import build_tiny_model, detect_tiny
 
     detect_tiny(monkeypatch, kind)
     source = build_tiny_model(kind, seed=5)
@@ -387,8 +387,8 @@ def test_int8_then_compile_model_on_a_model_stored_in(pack, kind, storage, monke
     kernels take (never fp8), and the image is the float model's within INT8 error."""
     from comfyui_int8_accel.nodes import compile as compile_core
     from comfyui_int8_accel.nodes import int8 as quant
+    from harness.tiny_models import sample
     from tests.support.int8_checks import ALL_INT8, rel
-    from tests.support.tiny_models import sample
 
     height, width = SIZE[kind]
     model, source = _stored_as(kind, storage, monkeypatch)
@@ -412,8 +412,8 @@ def test_low_vram_loading_runs_int8_and_matches_the_full_load(pack):
     """ComfyUI's partial load (lowvram_model_memory: layers that do not fit stay in RAM and are cast per forward):
     the INT8 model built from those layers runs its INT8 kernels on the GPU and equals the fully loaded one."""
     from comfyui_int8_accel.nodes import int8 as quant
+    from harness.tiny_models import build_tiny_model
     from tests.support.int8_checks import ALL_INT8
-    from tests.support.tiny_models import build_tiny_model
 
     gen = torch.Generator().manual_seed(3)
     x, t, context = (torch.randn(2, 4, 8, 8, generator=gen).to(DEVICE), torch.tensor([700.0, 700.0], device=DEVICE),
@@ -449,8 +449,8 @@ def test_reduce_overhead_keeps_deepcache_features_across_model_calls(pack):
     must not have overwritten it."""
     from comfyui_int8_accel.nodes import compile as compile_core
     from comfyui_int8_accel.nodes import deepcache
+    from harness.tiny_models import build_tiny_model, sample
     from tests.support.int8_checks import rel
-    from tests.support.tiny_models import build_tiny_model, sample
 
     model = build_tiny_model("sd15", seed=6)
     cached = deepcache.apply_deepcache(model, cache_interval=2, cache_depth=1)

@@ -4,10 +4,16 @@ integer product (in float64, which holds these sums exactly on any device), then
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from comfyui_int8_accel.kernels import force_backend, int8_linear, quant, record_calls
+from comfyui_int8_accel.kernels import backend_unavailable_reason, force_backend, int8_linear, quant, record_calls
+
+_TRITON_UNAVAILABLE = backend_unavailable_reason("triton")
+# The backends of the CUDA path, parametrized (triton skipped, with the reason, where it cannot run).
+GPU_PATH = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(_TRITON_UNAVAILABLE is not None,
+                                                                   reason=f"triton: {_TRITON_UNAVAILABLE}"))]
 
 
 def exact_linear(x, q_weight, w_scale, bias, out_dtype=None):

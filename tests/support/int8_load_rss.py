@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.support.comfy_host import import_comfy, load_pack
-from tests.support.int8_checks import model_bytes
-from tests.support.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from harness.comfy_host import import_comfy, load_pack
+from harness.memory import model_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
 def measure(path: str) -> dict:

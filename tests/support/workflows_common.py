@@ -53,7 +53,7 @@ def load_api(name: str) -> dict:
 def workflow_checkpoints(comfy_root, sd15_checkpoint) -> list[str]:
     """Every checkpoint the shipped workflows name, built once by the model factories (for Wan: its diffusion
     model, VAE and text encoder, as three files)."""
-    from scripts.make_more_checkpoints import ensure_sd3_checkpoint, ensure_sdxl_vega_checkpoint, ensure_wan21_files
+    from harness.make_more_checkpoints import ensure_sd3_checkpoint, ensure_sdxl_vega_checkpoint, ensure_wan21_files
 
     return [sd15_checkpoint, ensure_sdxl_vega_checkpoint(comfy_root).name, ensure_sd3_checkpoint(comfy_root).name,
             ensure_wan21_files(comfy_root).name]

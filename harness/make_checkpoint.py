@@ -2,7 +2,7 @@
 
 No weights can be downloaded here, so tests, benchmarks and the demo use this. The file is built from
 ComfyUI's own model classes (UNet, CLIP-L text encoder, KL VAE), so its keys are exactly what ComfyUI's
-detector expects.  Usage: python -m scripts.make_checkpoint [--out PATH] [--seed N]
+detector expects.  Usage: python -m harness.make_checkpoint [--name NAME] [--seed N]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_NAME = "int8accel_random_sd15.safetensors"
 
 # The SD1.5 UNet as ComfyUI's model detection describes it.
@@ -105,8 +104,7 @@ def main() -> None:
     parser.add_argument("--name", default=DEFAULT_NAME, help="file name inside models/checkpoints")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO_ROOT))
-    from tests.support.comfy_host import import_comfy
+    from harness.comfy_host import import_comfy
 
     root = import_comfy()
     print(ensure_checkpoint(root, args.name, args.seed))

@@ -1,7 +1,7 @@
 """Whether this Python's torch can run on an NVIDIA GPU here, and why not: the first step of `make test-gpu`,
 which must fail (exit 1, the reason on stderr) rather than pass a GPU suite that never ran.
 
-    .venv/bin/python -m tests.support.cuda_check
+    .venv/bin/python -m harness.cuda_check
 """
 
 from __future__ import annotations

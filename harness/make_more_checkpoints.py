@@ -1,6 +1,6 @@
 """Random-weight SDXL and SD3 checkpoints that CheckpointLoaderSimple detects as SDXL / SD3, and a tiny Wan 2.1.
 
-Like scripts/make_checkpoint.py (SD1.5), each file is built from ComfyUI's own classes, so its keys are
+Like harness/make_checkpoint.py (SD1.5), each file is built from ComfyUI's own classes, so its keys are
 what ComfyUI's detector expects, and written once as fp16 safetensors into models/checkpoints/:
 
 - SDXL: the real SDXL base architecture (UNet 2.6 B parameters, CLIP-L + CLIP-G, KL VAE), about 6.9 GB.
@@ -20,7 +20,7 @@ what ComfyUI's detector expects, and written once as fp16 safetensors into model
   5.7 B parameters, too large to make here); CLIPLoader's `sd3` type loads a lone CLIP-L file as SD3's text
   encoder, which pads CLIP-L's 768 features to 4096, so the model gets context of the width it takes.
 
-Usage: python -m scripts.make_more_checkpoints [sdxl] [sdxl_vega] [sd3] [wan21]   (default: sdxl_vega sd3 wan21)
+Usage: python -m harness.make_more_checkpoints [sdxl] [sdxl_vega] [sd3] [wan21]   (default: sdxl_vega sd3 wan21)
 """
 
 from __future__ import annotations
@@ -32,11 +32,7 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from scripts.make_checkpoint import SD_VAE, _randomize, write_checkpoint  # noqa: E402
+from harness.make_checkpoint import SD_VAE, _randomize, write_checkpoint
 
 SDXL_NAME = "int8accel_random_sdxl.safetensors"
 SDXL_VEGA_NAME = "int8accel_random_sdxl_vega.safetensors"
@@ -173,7 +169,7 @@ def build_clip_l_state_dict(comfy_root: Path) -> dict[str, torch.Tensor]:
     SD1.5 checkpoint (built first when absent), so the SD1.5 and Wan workflows share one random CLIP-L."""
     from safetensors import safe_open
 
-    from scripts.make_checkpoint import ensure_checkpoint
+    from harness.make_checkpoint import ensure_checkpoint
 
     prefix = "cond_stage_model.transformer."
     with safe_open(str(ensure_checkpoint(comfy_root)), framework="pt") as handle:
@@ -239,8 +235,7 @@ def main() -> None:
                         help=f"any of {', '.join(ENSURE)} (default: sdxl_vega sd3 wan21)")
     args = parser.parse_args()
     args.kinds = args.kinds or ["sdxl_vega", "sd3", "wan21"]
-    sys.path.insert(0, str(REPO_ROOT))
-    from tests.support.comfy_host import import_comfy
+    from harness.comfy_host import import_comfy
 
     root = import_comfy()
     for kind in args.kinds:

@@ -1,4 +1,5 @@
-"""Locate the real ComfyUI host and import it in-process, the way its own main.py would."""
+"""Locate the real ComfyUI host and import it in-process, the way its own main.py would; import this repository
+as the package ComfyUI loads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 PACK_MODULE_NAME = "comfyui_int8_accel"
 
 
@@ -55,14 +56,26 @@ def import_comfy() -> Path:
     return root
 
 
+_pack_saw_comfy = False
+
+
 def load_pack() -> ModuleType:
-    """Import this repository as the custom-node package ComfyUI would load (relative imports work)."""
-    if PACK_MODULE_NAME in sys.modules:
-        return sys.modules[PACK_MODULE_NAME]
-    spec = importlib.util.spec_from_file_location(
-        PACK_MODULE_NAME, REPO_ROOT / "__init__.py", submodule_search_locations=[str(REPO_ROOT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[PACK_MODULE_NAME] = module
-    spec.loader.exec_module(module)
+    """Import this repository as the custom-node package ComfyUI would load (relative imports work).
+
+    Before `import_comfy()` the pack finds no ComfyUI and leaves its node mappings empty (what the kernel tier
+    needs: `comfyui_int8_accel.kernels` without ComfyUI); called again once ComfyUI is imported, it runs the
+    pack's `__init__` once more, which loads the nodes."""
+    global _pack_saw_comfy
+    module = sys.modules.get(PACK_MODULE_NAME)
+    comfy_imported = "comfy" in sys.modules
+    if module is not None and (_pack_saw_comfy or not comfy_imported):
+        return module
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            PACK_MODULE_NAME, REPO_ROOT / "__init__.py", submodule_search_locations=[str(REPO_ROOT)]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[PACK_MODULE_NAME] = module
+    module.__spec__.loader.exec_module(module)
+    _pack_saw_comfy = comfy_imported
     return module

@@ -3,7 +3,7 @@
 `link_pack(comfy_root)` is for a person who starts that ComfyUI by hand (setup.sh does the same in shell):
 it creates the link when there is none and repairs a dangling one, but never re-points a link to another
 live checkout of the pack, because several checkouts (git worktrees) may share one ComfyUI install and each
-would steal the link from the others. Servers started by scripts/comfy_server.py do not use that link: each
+would steal the link from the others. Servers started by harness/server.py do not use that link: each
 gets its own custom_nodes/ with `link_into` pointing at the checkout it runs from.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from harness.comfy_host import REPO_ROOT
+
 LINK_NAME = "comfyui-int8-accel"
 
 

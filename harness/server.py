@@ -29,12 +29,8 @@ from pathlib import Path
 
 import requests
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def comfyui_root() -> Path:
-    env = os.environ.get("COMFYUI_PATH")
-    return Path(env).resolve() if env else REPO_ROOT / ".comfyui" / "ComfyUI"
+from harness.comfy_host import REPO_ROOT, comfyui_path
+from harness.pack_link import link_into
 
 
 def free_port() -> int:
@@ -63,7 +59,7 @@ class ComfyServer:
                  pack_dir: Path | None = REPO_ROOT) -> None:
         """`pack_dir`: the checkout the server loads as its only custom node pack (this repository by
         default); None runs the install as it is, with whatever its own custom_nodes/ holds."""
-        self.root = Path(root) if root else comfyui_root()
+        self.root = Path(root) if root else comfyui_path()
         self.pack_dir = Path(pack_dir).resolve() if pack_dir is not None else None
         self.base_dir: Path | None = None
         self.pack_link: Path | None = None
@@ -84,8 +80,6 @@ class ComfyServer:
 
     def _private_base(self) -> list[str]:
         """A base directory of this server's own: custom_nodes/ with the pack only, models/ shared."""
-        from scripts.setup_links import link_into
-
         self.base_dir = Path(tempfile.mkdtemp(prefix=f"comfyui-int8-accel-{self.port}-"))
         self.pack_link = link_into(self.base_dir / "custom_nodes", self.pack_dir)
         (self.base_dir / "models").symlink_to((self.root / "models").resolve(), target_is_directory=True)

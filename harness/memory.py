@@ -1,6 +1,15 @@
-"""This process's resident memory from /proc (Linux): now, and the peak since the last reset."""
+"""Memory: the bytes a module holds, and this process's resident memory from /proc (Linux), now and the peak since
+the last reset."""
 
 from __future__ import annotations
+
+import torch
+
+
+def model_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameters and buffers."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _status_kib(field: str) -> int:
