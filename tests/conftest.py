@@ -23,6 +23,11 @@ if not tests_on_gpu():
 # from run to run; tests that compare INT8 results need a fixed choice and turn it off (the servers inherit
 # this). The gate's own tests turn it on.
 os.environ.setdefault("INT8_ACCEL_SPEED_GATE", "0")
+# The tiny test models' layers are far below the cpu backend's size floors, under which it computes in float and
+# calibration keeps the layer float ('kernel size floor'); the suite runs them through the INT8 kernels instead.
+# The floors' own tests put the defaults back (kernels/cpu.py DEFAULT_*).
+for _floor in ("INT8_ACCEL_LINEAR_MIN_MACS", "INT8_ACCEL_CONV_MIN_MACS", "INT8_ACCEL_MIN_REDUCTION"):
+    os.environ.setdefault(_floor, "0")
 # One import identity for the whole suite: ComfyUI in CPU mode first, then this repository as the package
 # ComfyUI loads (`comfyui_int8_accel`); tests import `comfyui_int8_accel.kernels` / `.nodes...`, never `kernels`.
 COMFY_ROOT = import_comfy()

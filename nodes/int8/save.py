@@ -1,8 +1,8 @@
 """Saving a quantized MODEL as an INT8 checkpoint in ComfyUI's INT8 format (see `checkpoint.py`).
 
-The layers written in INT8 come from the model's calibration, by the `int8_layers` choice: every layer within the
-error and density thresholds (`SMALLEST_FILE`, the default: a file for memory), or only those the speed gate also
-kept because they ran faster in INT8 on the machine that calibrated (`FASTER_ONLY`). They are quantized per output
+The layers written in INT8 come from the model's calibration decision, by the `int8_layers` choice: every layer
+that passed all its gates but speed (`SMALLEST_FILE`, the default: a file for memory), or only those the speed gate
+also kept because they ran faster in INT8 on the machine that calibrated (`FASTER_ONLY`). They are quantized per output
 channel for the weight width of the model's load device, from the model's float weights: the original ones, or with
 the model's LoRA/weight patches merged in when asked (computed here, never by asking ComfyUI to patch the model,
 which dynamic VRAM refuses). Everything else is written as it is.
