@@ -17,7 +17,6 @@ _COMFYUI_APIS = (
     ("comfy.patcher_extension", "WrappersMP"),
     ("comfy.patcher_extension", "CallbacksMP"),
     ("comfy.model_patcher", "create_model_options_clone"),
-    ("comfy.ops", "cast_bias_weight"),
 )
 
 

@@ -92,7 +92,7 @@ def main() -> None:
         "PSNR against the fp32 baseline: image in [0,1]; latent with the baseline latent's range as peak.",
         "load average {:.1f} / {:.1f} / {:.1f} when written (above the thread count the machine was shared: absolute "
         "times are noisy, ratios less so).".format(*os.getloadavg()),
-        "speed gate: calibration times each layer that passes the error and density gates in float and in INT8 on "
+        "speed gate: calibration times each layer that passes the other gates in float and in INT8 on "
         "the real input (median of 3, layers of equal call signature timed once) and keeps INT8 only where it is "
         f"faster; `bench/results/{result_name('int8_speed_gate')}.md` has those timings by compute density.",
     ]

@@ -9,7 +9,9 @@ after `set_linear_activation_granularity("tensor")`), per tensor (affine uint8) 
 registered: torch.compile traces them with fullgraph=True), which dispatch to one of `BACKENDS`:
 "reference" (plain PyTorch), "cpu" (oneDNN), "cuda" (`torch._int_mm` + torch ops), "triton" (Triton kernels +
 `torch._int_mm`). `backend_for(device)` says which one serves a device, `force_backend(name)` overrides it in
-the current thread, `record_calls()` counts which backend and path ("int8" or "float") served each call.
+the current thread, `record_calls()` counts which backend and path ("int8" or "float") served each call, and
+`runs_in_float(op, x_shape, weight_shape, device, ...)` says beforehand which path a call of given shapes takes
+(the cpu backend computes calls below its size floor in float with the dequantized weight).
 
 Derived forms of a weight (prepacked, padded, column sums) are cached per tensor, built once per weight version
 and freed with it; `prepare_int8_linear` / `prepare_int8_conv2d` build the ones the cuda and triton backends
@@ -30,6 +32,7 @@ from .ops import (
     prepare_int8_conv2d,
     prepare_int8_linear,
     record_calls,
+    runs_in_float,
 )
 from .policy import (
     BACKENDS,
@@ -86,6 +89,7 @@ __all__ = [
     "quantize_weight_per_channel",
     "record_calls",
     "release_packed_weight",
+    "runs_in_float",
     "set_linear_activation_granularity",
     "weight_bits",
     "weight_changed",

@@ -14,7 +14,9 @@ too short for INT8 to repay its fixed per-call cost run in float with the dequan
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +35,13 @@ from .quant import (
 from .weight_cache import CACHE
 
 # Below these many multiply-accumulates per call float32 is faster than INT8 (bench/bench_kernels.py).
-LINEAR_MIN_MACS = environment.linear_min_macs(2_000_000)
-CONV_MIN_MACS = environment.conv_min_macs(4_000_000)
+DEFAULT_LINEAR_MIN_MACS = 2_000_000
+DEFAULT_CONV_MIN_MACS = 4_000_000
 # With a reduction this short (e.g. a 4-channel 3x3 input conv) the INT8 kernels lose to float32 at any size.
-MIN_REDUCTION = 64
+DEFAULT_MIN_REDUCTION = 64
+LINEAR_MIN_MACS = environment.linear_min_macs(DEFAULT_LINEAR_MIN_MACS)
+CONV_MIN_MACS = environment.conv_min_macs(DEFAULT_CONV_MIN_MACS)
+MIN_REDUCTION = environment.min_reduction(DEFAULT_MIN_REDUCTION)
 # oneDNN's INT8 conv is slow on tiny feature maps with many channels (it is bound by the weight); there a GEMM
 # over im2col rows (one row per output pixel, quantized per row) is faster and at least as accurate.
 IM2COL_MAX_ROWS = environment.im2col_max_rows(160)
@@ -138,16 +143,18 @@ def _float_weight(q_weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor
 # ---- ops --------------------------------------------------------------------------------------------
 
 
-def linear_runs_in_float(x: torch.Tensor, q_weight: torch.Tensor) -> bool:
-    """True when `linear` computes this call in float with the dequantized weight (too small for INT8 to pay)."""
-    n, k = q_weight.shape
-    return (x.numel() // k) * k * n < LINEAR_MIN_MACS or k < MIN_REDUCTION
+def linear_runs_in_float(x_shape: Sequence[int], weight_shape: Sequence[int]) -> bool:
+    """True when `linear` computes a call of these shapes in float with the dequantized weight (below its size
+    floor: too small for INT8 to pay)."""
+    n, k = weight_shape
+    return math.prod(x_shape) // k * k * n < LINEAR_MIN_MACS or k < MIN_REDUCTION
 
 
-def conv2d_runs_in_float(x: torch.Tensor, q_weight: torch.Tensor, stride, padding, dilation) -> bool:
-    """True when `conv2d` computes this call in float with the dequantized weight (too small for INT8 to pay)."""
-    cout, cin_g, kh, kw = q_weight.shape
-    batch, _, h_out, w_out = conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)
+def conv2d_runs_in_float(x_shape: Sequence[int], weight_shape: Sequence[int], stride, padding, dilation) -> bool:
+    """True when `conv2d` computes a call of these shapes in float with the dequantized weight (below its size
+    floor)."""
+    cout, cin_g, kh, kw = weight_shape
+    batch, _, h_out, w_out = conv_output_shape(x_shape, weight_shape, stride, padding, dilation)
     return batch * h_out * w_out * cin_g * kh * kw * cout < CONV_MIN_MACS or cin_g * kh * kw < MIN_REDUCTION
 
 
@@ -155,7 +162,7 @@ def linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias:
     n, k = q_weight.shape
     x2d = x.reshape(-1, k)
     bias32 = None if bias is None else bias.to(torch.float32)
-    if linear_runs_in_float(x, q_weight):
+    if linear_runs_in_float(x.shape, q_weight.shape):
         y = F.linear(x2d.float(), _float_weight(q_weight, w_scale), bias32)
     else:
         y = _linear_int8(x2d, q_weight, w_scale, bias, bias32, per_token=linear_activation_granularity() == "token")
@@ -184,7 +191,7 @@ def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias:
            stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     bias32 = None if bias is None else bias.to(torch.float32)
     batch, _, h_out, w_out = conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)
-    if conv2d_runs_in_float(x, q_weight, stride, padding, dilation):
+    if conv2d_runs_in_float(x.shape, q_weight.shape, stride, padding, dilation):
         y = F.conv2d(x.float(), _float_weight(q_weight, w_scale), bias32, stride, padding, dilation, groups)
         return as_contiguous(y, x.dtype)
     if groups == 1 and batch * h_out * w_out <= IM2COL_MAX_ROWS:

@@ -12,6 +12,7 @@ WEIGHT_BITS = "INT8_ACCEL_WEIGHT_BITS"
 LINEAR_ACTIVATIONS = "INT8_ACCEL_LINEAR_ACTIVATIONS"
 LINEAR_MIN_MACS = "INT8_ACCEL_LINEAR_MIN_MACS"
 CONV_MIN_MACS = "INT8_ACCEL_CONV_MIN_MACS"
+MIN_REDUCTION = "INT8_ACCEL_MIN_REDUCTION"
 IM2COL_MAX_ROWS = "INT8_ACCEL_IM2COL_MAX_ROWS"
 COMPILE_QUANTIZER = "INT8_ACCEL_COMPILE_QUANTIZER"
 
@@ -48,6 +49,11 @@ def linear_min_macs(default: int) -> int:
 def conv_min_macs(default: int) -> int:
     """The same for Conv2d."""
     return _int(CONV_MIN_MACS, default)
+
+
+def min_reduction(default: int) -> int:
+    """Reduction length (K, or Cin*kh*kw) below which the cpu backend runs a Linear or Conv2d in float."""
+    return _int(MIN_REDUCTION, default)
 
 
 def im2col_max_rows(default: int) -> int:

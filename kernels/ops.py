@@ -7,8 +7,9 @@ Backends (`BACKENDS`, one module each, in one table): every backend module has `
 `conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)`, both returning the output. Optionally:
 `prepare_linear` / `prepare_conv2d` (the same arguments without x) build a weight's derived forms ahead of the
 first call (`prepare_int8_linear` / `prepare_int8_conv2d`); a backend that computes some calls in float with the
-dequantized weight (shapes too small for INT8 to pay) says which through `linear_runs_in_float(x, q_weight)` /
-`conv2d_runs_in_float(x, q_weight, stride, padding, dilation)`. Automatic choice per device: CUDA -> triton,
+dequantized weight (shapes below its size floor, too small for INT8 to pay) says which through
+`linear_runs_in_float(x_shape, weight_shape)` / `conv2d_runs_in_float(x_shape, weight_shape, stride, padding,
+dilation)`, which `runs_in_float` asks. Automatic choice per device: CUDA -> triton,
 else cuda; CPU -> cpu, else reference; anything else -> reference. `force_backend` overrides it in the current
 thread; `record_calls` counts which backend and path served each call made in the current thread.
 """
@@ -57,15 +58,36 @@ def _record(op: str, backend: str, path: str) -> None:
         counter[(op, backend, path)] += 1
 
 
+def _backend_runs_in_float(backend: str, op: str, x_shape: Sequence[int], weight_shape: Sequence[int],
+                           stride: list[int], padding: list[int], dilation: list[int]) -> bool:
+    module = BACKEND_MODULES[backend]
+    if op == "linear":
+        query = getattr(module, "linear_runs_in_float", None)
+        return query is not None and query(x_shape, weight_shape)
+    query = getattr(module, "conv2d_runs_in_float", None)
+    return query is not None and query(x_shape, weight_shape, stride, padding, dilation)
+
+
+def runs_in_float(op: str, x_shape: Sequence[int], weight_shape: Sequence[int], device: torch.device | str,
+                  stride: int | Sequence[int] = (1, 1), padding: int | Sequence[int] = (0, 0),
+                  dilation: int | Sequence[int] = (1, 1)) -> bool:  # fmt: skip
+    """True when the backend serving `device` (now, in this thread) would compute an `op` call ("linear" or
+    "conv2d") of these shapes in float with the dequantized weight, below its size floor (the cpu backend's;
+    the others have none); False when it runs the INT8 arithmetic."""
+    if op not in ("linear", "conv2d"):
+        raise ValueError(f"op must be 'linear' or 'conv2d', got {op!r}")
+    return _backend_runs_in_float(backend_for(device), op, tuple(x_shape), tuple(weight_shape), pair(stride),
+                                  pair(padding), pair(dilation))
+
+
 def _linear_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     backend = backend_for(x.device)
     if x.numel() == 0:
         y, path = x.new_zeros(*x.shape[:-1], q_weight.shape[0]), "float"
     else:
-        module = BACKEND_MODULES[backend]
-        in_float = getattr(module, "linear_runs_in_float", None)
-        path = "float" if in_float is not None and in_float(x, q_weight) else "int8"
-        y = module.linear(x, q_weight, w_scale, bias)
+        in_float = _backend_runs_in_float(backend, "linear", x.shape, q_weight.shape, [], [], [])
+        path = "float" if in_float else "int8"
+        y = BACKEND_MODULES[backend].linear(x, q_weight, w_scale, bias)
     _record("linear", backend, path)
     return y
 
@@ -77,10 +99,9 @@ def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
     if x.numel() == 0:
         y, path = x.new_zeros(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)), "float"
     else:
-        module = BACKEND_MODULES[backend]
-        in_float = getattr(module, "conv2d_runs_in_float", None)
-        path = "float" if in_float is not None and in_float(x, q_weight, stride, padding, dilation) else "int8"
-        y = module.conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
+        in_float = _backend_runs_in_float(backend, "conv2d", x.shape, q_weight.shape, stride, padding, dilation)
+        path = "float" if in_float else "int8"
+        y = BACKEND_MODULES[backend].conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
     _record("conv2d", backend, path)
     return y
 

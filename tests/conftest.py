@@ -5,6 +5,7 @@ is, never for the kernel tier's own."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,11 @@ if not tests_on_gpu():
 # from run to run; tests that compare INT8 results need a fixed choice and turn it off (the servers inherit
 # this). The gate's own tests turn it on.
 os.environ.setdefault("INT8_ACCEL_SPEED_GATE", "0")
+# The tiny test models' layers are far below the cpu backend's size floors, under which it computes in float and
+# calibration keeps the layer float ('kernel size floor'); the suite runs them through the INT8 kernels instead.
+# The floors' own tests put the defaults back (kernels/cpu.py DEFAULT_*).
+for _floor in ("INT8_ACCEL_LINEAR_MIN_MACS", "INT8_ACCEL_CONV_MIN_MACS", "INT8_ACCEL_MIN_REDUCTION"):
+    os.environ.setdefault(_floor, "0")
 
 
 def pytest_collectstart(collector: pytest.Collector) -> None:
@@ -124,3 +130,11 @@ def models_dir(tmp_path, monkeypatch):
                         ([str(folder)], folder_paths.supported_pt_extensions))
     monkeypatch.delitem(folder_paths.filename_list_cache, "diffusion_models", raising=False)
     return folder
+
+
+@pytest.fixture
+def int8_kernels_on_tiny_layers(monkeypatch, tmp_path):
+    """The tiny layers run the INT8 kernels (the suite sets the cpu kernel backend's size floors to 0: see
+    conftest.py), with a calibration cache of their own."""
+    assert importlib.import_module("comfyui_int8_accel.kernels.cpu").LINEAR_MIN_MACS == 0
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))

@@ -274,3 +274,42 @@ def test_torch_compile_without_the_newer_keywords_still_compiles(cm, monkeypatch
     x = torch.randn(4, 8)
     assert torch.allclose(region(x), torch.nn.functional.gelu(x) * 2)
     assert calls == ["aot_eager"] and region.compiled is not None and region.disabled_reason is None
+
+
+def test_one_registration_of_dynamo_compile_callbacks_serves_every_listener(pack, monkeypatch):
+    """The regions' log and the page status listen to one pair of dynamo callbacks, which PyTorch before 2.5
+    calls without arguments and later ones with the compile's id."""
+    import types
+
+    from torch._dynamo import callback
+
+    events = importlib.import_module("comfyui_int8_accel.nodes.compile.compile_events")
+    handler = callback.CompilationCallbackHandler()
+    monkeypatch.setattr(callback, "callback_handler", handler)
+    monkeypatch.setattr(events, "_listeners", [])
+    heard: list[tuple] = []
+
+    def on_start(compile_id):
+        heard.append(("start", compile_id))
+
+    def on_end(compile_id, seconds):
+        heard.append(("end", compile_id, seconds))
+
+    for _ in range(2):
+        events.add_compile_listener(on_start, on_end)
+        events.add_compile_listener(lambda compile_id: heard.append(("other", compile_id)), lambda *_: None)
+    assert handler.start_callbacks == [events._on_compile_start] and handler.end_callbacks == [events._on_compile_end]
+    handler.clear()  # what torch._dynamo.reset() does: the next listener registers them again
+    events.add_compile_listener(on_start, on_end)
+    assert handler.start_callbacks == [events._on_compile_start] and handler.end_callbacks == [events._on_compile_end]
+    assert len(events._listeners) == 3  # the same listener twice is told once
+    events._on_compile_start()  # PyTorch < 2.5: no arguments
+    events._on_compile_end()
+    events._on_compile_start(types.SimpleNamespace(compile_id="0/1"))
+    events._on_compile_end(types.SimpleNamespace(compile_id="0/1"))
+    events._on_compile_end(types.SimpleNamespace(compile_id="never started"))
+    starts = [event for event in heard if event[0] == "start"]
+    ends = [event for event in heard if event[0] == "end"]
+    assert [event[1] for event in starts] == [starts[0][1], "0/1"] and [event[1] for event in ends] == [
+        starts[0][1], "0/1"]
+    assert all(event[2] >= 0.0 for event in ends) and sum(event[0] == "other" for event in heard) == 4

@@ -161,8 +161,10 @@ def test_quantize_model_runs_core_quantized_linears_in_int8(comfy_root, monkeypa
     quantized, report = apply_int8(core, settings_from_widgets(**ALL_INT8))
     assert "Nothing to quantize" not in report
     # the tiny model's Linear calls are below the size where the cpu backend's INT8 path pays: run them in INT8
+    # (the suite's floors are 0), its convs in float as at that default floor (this test is about the Linears)
     monkeypatch.setattr(cpu_kernels, "LINEAR_MIN_MACS", 0)
     monkeypatch.setattr(cpu_kernels, "MIN_REDUCTION", 0)
+    monkeypatch.setattr(cpu_kernels, "CONV_MIN_MACS", cpu_kernels.DEFAULT_CONV_MIN_MACS)
     ran = set()
     forward = Int8Linear.forward
 

@@ -14,7 +14,6 @@ from tests.support.deepcache_tiny import (  # noqa: F401 (fixtures)
     deepcache,
     held_sigmas,
     int8_everywhere,
-    int8_kernels_on_tiny_layers,
     one_thread,
 )
 from tests.support.int8_checks import rel

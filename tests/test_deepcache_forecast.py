@@ -15,7 +15,6 @@ from harness.tiny_models import build_tiny_model, sample
 from tests.support.deepcache_tiny import (  # noqa: F401 (fixtures)
     deepcache,
     int8_everywhere,
-    int8_kernels_on_tiny_layers,
     one_thread,
 )
 from tests.support.int8_checks import rel

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_int8_accel.kernels import record_calls
+from comfyui_int8_accel.kernels import backend_unavailable_reason, record_calls
 from harness.tiny_models import build_tiny_model, sample
 from tests.support.workflows_common import PENDING, report_table_rows
 
@@ -147,3 +147,54 @@ def test_calibration_pushes_its_summary_and_picture_onto_the_node(comfy_root, no
         assert picture.size == PICTURE_SIZE[::-1]
         pixels = torch.from_numpy(np.asarray(picture.convert("RGB"), dtype=np.float32) / 255)[None]
     assert int8_points(pixels) > 0
+
+
+@pytest.mark.skipif(backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+def test_a_layer_below_the_kernel_size_floor_is_reported_float_by_that_gate(comfy_root, node, monkeypatch):
+    """With the cpu backend's own Linear floors, every Linear of the tiny model computes in float at the
+    calibration shape: the report says so (decided by 'kernel size floor', not counted as INT8), and the INT8
+    layers that remain all run the INT8 kernels."""
+    from comfyui_int8_accel.kernels import cpu, runs_in_float
+
+    monkeypatch.setattr(cpu, "LINEAR_MIN_MACS", cpu.DEFAULT_LINEAR_MIN_MACS)
+    monkeypatch.setattr(cpu, "MIN_REDUCTION", cpu.DEFAULT_MIN_REDUCTION)
+    model = build_tiny_model("sd15")
+    report, _, int8_calls = calibrated(node, model, **ALL_INT8)
+    layers = {layer.name: layer for layer in _measured(node, model)}  # the same decision, from the cache
+    linears = [layer for layer in layers.values() if layer.kind == "linear"]
+    assert linears and all(runs_in_float("linear", (layer.m, layer.k), layer.weight_shape, "cpu") for layer in linears)
+    # the convs' floor is the reduction alone here (CONV_MIN_MACS stays 0): the 4-channel input conv is below it
+    assert all(layer.below_kernel_floor == (layer.kind == "linear" or layer.k < cpu.MIN_REDUCTION)
+               for layer in layers.values())
+    rows = report_table_rows(report)
+    floored = [name for name, layer in layers.items() if layer.below_kernel_floor]
+    for name, cells in rows.items():
+        if name in floored:
+            assert cells[7] == "kernel size floor" and cells[8] == "float: below the kernel size floor", cells
+            assert cells[4] == "-"  # its error is never measured
+        else:
+            assert cells[1] == "conv" and cells[7] == "all passed" and cells[8] == "int8", cells
+    summary = report.split("\n\n")[0]
+    assert f"linear 0/{len(linears)}" in summary and f"{len(layers) - len(floored)}/{len(layers)} layers" in summary
+    assert int8_calls > 0
+    with record_calls() as calls:  # a cached decision: every INT8 layer call runs the INT8 kernels
+        sample(run_node(node, model, **ALL_INT8)[0], "sd15", steps=1)
+    assert calls and {path for (_, _, path) in calls} == {"int8"} and {op for (op, _, _) in calls} == {"conv2d"}
+
+
+def test_the_decision_is_made_once_per_layer(comfy_root, node, monkeypatch):
+    from comfyui_int8_accel.nodes.int8 import int8_plan, plan
+
+    decided: list[str] = []
+    decide = plan.decide
+
+    def counting_decide(layer, *args, **kwargs):
+        decided.append(layer.name)
+        return decide(layer, *args, **kwargs)
+
+    monkeypatch.setattr(plan, "decide", counting_decide)
+    quantized, _, _ = run_node(node, build_tiny_model("sd15"), **ALL_INT8)
+    sample(quantized, "sd15", steps=3)
+    result = int8_plan(quantized).last_result
+    assert sorted(decided) == sorted(layer.name for layer in result.layers) and len(set(decided)) == len(decided)
+    assert {layer.decision for layer in result.layers} == {"int8"}

@@ -34,6 +34,7 @@ from comfyui_int8_accel.kernels import (
     record_calls,
     reference,
     release_packed_weight,
+    runs_in_float,
     set_linear_activation_granularity,
     triton_backend,
     weight_bits,
@@ -83,6 +84,14 @@ CPU_BACKEND = widths("cpu")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture
+def default_cpu_floors(monkeypatch):
+    """The cpu backend's size floors at their defaults (the suite sets them to 0 for its tiny models)."""
+    monkeypatch.setattr(cpu, "LINEAR_MIN_MACS", cpu.DEFAULT_LINEAR_MIN_MACS)
+    monkeypatch.setattr(cpu, "CONV_MIN_MACS", cpu.DEFAULT_CONV_MIN_MACS)
+    monkeypatch.setattr(cpu, "MIN_REDUCTION", cpu.DEFAULT_MIN_REDUCTION)
 
 
 def relative_l2(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -482,7 +491,7 @@ def test_force_backend_and_record_calls_are_thread_local():
 
 
 @pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
-def test_record_calls_tells_int8_from_float_paths():
+def test_record_calls_tells_int8_from_float_paths(default_cpu_floors):
     _, b, q, s = make_linear(8, 16)
     _, b_big, q_big, s_big = make_linear(256, 512)
     _, cb, cq, cs = make_conv(32, 4, 3, 3)  # a 4x3x3 reduction: too short for INT8 at any size
@@ -506,7 +515,7 @@ def test_record_calls_tells_int8_from_float_paths():
 
 
 @pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
-def test_tiny_shapes_take_the_float_path_consistently():
+def test_tiny_shapes_take_the_float_path_consistently(default_cpu_floors):
     w, b, q, s = make_linear(8, 16)
     x = torch.randn(2, 16)
     with force_backend("cpu"), record_calls() as calls:
@@ -514,6 +523,33 @@ def test_tiny_shapes_take_the_float_path_consistently():
     assert calls == {("linear", "cpu", "float"): 1}
     assert torch.allclose(y, F.linear(x, dequantize_weight(q, s), f32(b)), atol=1e-6)
     assert relative_l2(y, F.linear(x.double(), w, b)) < GAUSS_BOUND[CPU_BITS]
+
+
+@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+def test_runs_in_float_answers_for_the_backend_serving_the_device(default_cpu_floors):
+    """The size-floor query says beforehand the path a call takes: the one `record_calls` then sees."""
+    _, _, q, s = make_linear(8, 16)
+    _, _, q_big, s_big = make_linear(256, 512)
+    _, _, cq, cs = make_conv(32, 4, 3, 3)
+    _, _, cq_big, cs_big = make_conv(64, 64, 3, 3)
+    calls = [("linear", torch.randn(2, 16), q, s, {}), ("linear", torch.randn(64, 512), q_big, s_big, {}),
+             ("conv2d", torch.randn(1, 4, 32, 32), cq, cs, {"padding": 1}),
+             ("conv2d", torch.randn(1, 64, 32, 32), cq_big, cs_big, {"padding": 1}),
+             ("conv2d", torch.randn(1, 64, 32, 32), cq_big, cs_big, {"stride": 4})]  # 64 output pixels: too few
+    answers = []
+    for op, x, qw, sw, conv_args in calls:
+        with force_backend("cpu"), record_calls() as seen:
+            (int8_linear(x, qw, sw, None) if op == "linear" else int8_conv2d(x, qw, sw, None, **conv_args))
+        (path,) = {path for (_, _, path) in seen}
+        answer = runs_in_float(op, x.shape, qw.shape, "cpu", **conv_args)
+        assert answer == (path == "float"), (op, x.shape, conv_args)
+        answers.append(answer)
+    assert answers == [True, False, True, False, True]
+    for name in ("reference", "cuda"):  # no size floor: every call runs the INT8 arithmetic
+        with force_backend(name):
+            assert not any(runs_in_float(op, x.shape, qw.shape, "cpu", **args) for op, x, qw, _, args in calls)
+    with pytest.raises(ValueError, match="'linear' or 'conv2d'"):
+        runs_in_float("conv", (1, 4, 8, 8), (8, 4, 3, 3), "cpu")
 
 
 @pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")

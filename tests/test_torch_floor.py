@@ -8,7 +8,6 @@ on, so it cannot pass on another one.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 
@@ -35,14 +34,6 @@ def test_int8_ops_are_registered_custom_ops(pack):
     assert ops._linear_op is torch.ops.int8_accel.linear or isinstance(ops._linear_op, torch._library.custom_ops.CustomOpDef)
     schema = str(torch.ops.int8_accel.conv2d.default._schema)
     assert "Tensor? bias, int[] stride, int[] padding, int[] dilation, int groups" in schema
-
-
-@pytest.fixture
-def int8_kernels_on_tiny_layers(monkeypatch, tmp_path):
-    """The cpu backend runs layers this small in float; here the larger ones run its INT8 kernels."""
-    cpu = importlib.import_module("comfyui_int8_accel.kernels.cpu")
-    monkeypatch.setattr(cpu, "LINEAR_MIN_MACS", 100_000)
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
 
 
 def test_int8_deepcache_compile_samples_like_eager(pack, int8_kernels_on_tiny_layers, caplog):

@@ -18,11 +18,11 @@ def test_this_comfyui_has_every_api_the_nodes_use(pack):
 
 
 def test_a_comfyui_without_an_api_is_named(pack, monkeypatch):
-    import comfy.ops
+    import comfy.model_patcher
 
-    monkeypatch.delattr(comfy.ops, "cast_bias_weight")
+    monkeypatch.delattr(comfy.model_patcher, "create_model_options_clone")
     monkeypatch.setitem(__import__("sys").modules, "comfy_api.latest", None)  # an import that fails
-    assert pack._missing_comfyui_apis() == ["comfy_api.latest.io", "comfy.ops.cast_bias_weight"]
+    assert pack._missing_comfyui_apis() == ["comfy_api.latest.io", "comfy.model_patcher.create_model_options_clone"]
 
 
 @pytest.mark.skipif(cpu.available() is not None, reason="no oneDNN INT8 ops in this PyTorch")

@@ -9,10 +9,10 @@ import time
 from comfy.patcher_extension import WrappersMP
 
 from ..page import show_on_node
+from .compile_events import add_compile_listener
 
 PAGE_KEY = "int8_accel_compile_page"
 _active = threading.local()  # the sampling runs being watched in this thread, innermost last
-_callbacks_registered = False
 
 
 class _Run:
@@ -20,7 +20,7 @@ class _Run:
         self.node_id = node_id
         self.compiles = 0
         self.compile_seconds = 0.0
-        self.started: dict[object, float] = {}
+        self.compiling: set[object] = set()  # ids of the compiles started during this run and not ended yet
 
 
 def _runs() -> list[_Run]:
@@ -29,36 +29,20 @@ def _runs() -> list[_Run]:
     return _active.runs
 
 
-# PyTorch before 2.5 calls these callbacks without arguments (no compile id); compiles then nest by thread, so
-# one key per thread stands in for it.
-def _compile_key(args) -> object:
-    return getattr(args, "compile_id", threading.get_ident())
-
-
-def _on_compile_start(args=None) -> None:
+def _on_compile_start(compile_id: object) -> None:
     for run in _runs():
-        run.started[_compile_key(args)] = time.perf_counter()
-        if run.compiles == 0 and len(run.started) == 1:
+        run.compiling.add(compile_id)
+        if run.compiles == 0 and len(run.compiling) == 1:
             show_on_node("compiling (the first run at these settings; later runs reuse the compiled graphs) ...",
                          run.node_id)
 
 
-def _on_compile_end(args=None) -> None:
+def _on_compile_end(compile_id: object, seconds: float) -> None:
     for run in _runs():
-        started = run.started.pop(_compile_key(args), None)
-        if started is not None:
+        if compile_id in run.compiling:
+            run.compiling.discard(compile_id)
             run.compiles += 1
-            run.compile_seconds += time.perf_counter() - started
-
-
-def _register_callbacks() -> None:
-    global _callbacks_registered
-    if not _callbacks_registered:
-        from torch._dynamo import callback
-
-        callback.on_compile_start(_on_compile_start)
-        callback.on_compile_end(_on_compile_end)
-        _callbacks_registered = True
+            run.compile_seconds += seconds
 
 
 def run_summary(compiles: int, compile_seconds: float, seconds: float) -> str:
@@ -72,7 +56,7 @@ def show_runs_on_node(model, node_id: str | None) -> None:
     """Watch every sampling run of `model` (a Compile Model clone) and keep the node `node_id` told."""
     if node_id is None:
         return
-    _register_callbacks()
+    add_compile_listener(_on_compile_start, _on_compile_end)
 
     def compile_page_status(executor, *args, **kwargs):
         run = _Run(node_id)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from typing import Any
 
 import torch
@@ -14,43 +13,31 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
 from ...kernels import CompiledOrEager
+from .compile_events import add_compile_listener
 from .settings import CompileSettings
 
 log = logging.getLogger("int8_accel.compile")
 
 _region_state = threading.local()
-_compile_started: dict[str, float] = {}
+_compiling: dict[object, str] = {}  # compile id -> the region it compiles
 
 
-# PyTorch before 2.5 calls these callbacks without arguments (no compile id): the region name stands in for it.
-def _on_compile_start(args: Any = None) -> None:
+def _on_compile_start(compile_id: object) -> None:
     region = getattr(_region_state, "name", None)
     if region is not None:
-        compile_id = getattr(args, "compile_id", region)
-        _compile_started[compile_id] = time.perf_counter()
+        _compiling[compile_id] = region
         log.info("int8-accel compile: compiling %s (%s) ...", region, compile_id)
 
 
-def _on_compile_end(args: Any = None) -> None:
-    region = getattr(_region_state, "name", None)
-    started = _compile_started.pop(getattr(args, "compile_id", region), None)
-    if started is not None:
-        seconds = time.perf_counter() - started
+def _on_compile_end(compile_id: object, seconds: float) -> None:
+    region = _compiling.pop(compile_id, None)
+    if region is not None:
         log.info("int8-accel compile: compiled %s in %.1f s", region, seconds)
 
 
-_callbacks_registered = False
-
-
 def register_compile_callbacks() -> None:
-    global _callbacks_registered
-    if _callbacks_registered:
-        return
-    from torch._dynamo import callback
-
-    callback.on_compile_start(_on_compile_start)
-    callback.on_compile_end(_on_compile_end)
-    _callbacks_registered = True
+    """Log each compiled region's compiles and their times."""
+    add_compile_listener(_on_compile_start, _on_compile_end)
 
 
 def group_norm_silu(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,

@@ -8,14 +8,15 @@ import logging
 from .dit import install_dit, uncached_message
 from .families import block_layout, family_of, supported_names
 from .segments import max_depth
-from .steps import STATE_KEY, WRAPPER_KEY, CacheMode, DeepCacheConfig, install_step_wrappers
+from .settings import CacheMode, DeepCacheSettings
+from .steps import STATE_KEY, WRAPPER_KEY, install_step_wrappers
 from .unet import install_unet, is_unet, max_unet_depth
 
 log = logging.getLogger("int8_accel.deepcache")
 
 CACHE_MODES = tuple(mode.value for mode in CacheMode)
 
-__all__ = ["CACHE_MODES", "DeepCacheConfig", "apply_deepcache"]
+__all__ = ["CACHE_MODES", "DeepCacheSettings", "apply_deepcache"]
 
 
 def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_percent: float = 0.0,
@@ -25,10 +26,10 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
     for the deep features: "reuse" (the last full step's) or "forecast" (extrapolated from the last full steps)."""
     if mode not in CACHE_MODES:
         raise ValueError(f"DeepCache: mode={mode!r} is not one of {', '.join(CACHE_MODES)}.")
-    config = DeepCacheConfig(int(cache_interval), int(cache_depth), float(start_percent), float(end_percent),
+    settings = DeepCacheSettings(int(cache_interval), int(cache_depth), float(start_percent), float(end_percent),
                              CacheMode(mode))
-    if config.problem():
-        raise ValueError(f"DeepCache: {config.problem()}.")
+    if settings.problem():
+        raise ValueError(f"DeepCache: {settings.problem()}.")
 
     diffusion_model = model.get_model_object("diffusion_model")
     family = layout = None
@@ -42,19 +43,19 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
         layout = block_layout(diffusion_model, family)
         limit = max_depth(layout)
         kind = f"this {type(diffusion_model).__name__} has {len(layout)} blocks and needs at least one middle block"
-    if config.cache_depth > limit:
-        raise ValueError(f"DeepCache: cache_depth={config.cache_depth} is too large: {kind}, so the largest "
+    if settings.cache_depth > limit:
+        raise ValueError(f"DeepCache: cache_depth={settings.cache_depth} is too large: {kind}, so the largest "
                          f"cache_depth is {limit}.")
 
     patched = model.clone()
     _remove_previous_deepcache(patched)
     if family is None:
-        install_step_wrappers(patched, config)
-        install_unet(patched, config.cache_depth)
+        install_step_wrappers(patched, settings)
+        install_unet(patched, settings.cache_depth)
     else:
-        install_step_wrappers(patched, config, uncached_message)
-        install_dit(patched, config.cache_depth, family, layout)
-    patched.model_options.setdefault("transformer_options", {})[STATE_KEY + "_config"] = config
+        install_step_wrappers(patched, settings, uncached_message)
+        install_dit(patched, settings.cache_depth, family, layout)
+    patched.model_options.setdefault("transformer_options", {})[STATE_KEY + "_settings"] = settings
     return patched
 
 
@@ -70,7 +71,7 @@ def _remove_previous_deepcache(model) -> None:
     from comfy.patcher_extension import WrappersMP
 
     options = model.model_options.setdefault("transformer_options", {})
-    if options.pop(STATE_KEY + "_config", None) is None:
+    if options.pop(STATE_KEY + "_settings", None) is None:
         return
     log.warning("DeepCache: the model already had DeepCache applied; the new settings replace the old ones.")
     for wrapper_type in (WrappersMP.OUTER_SAMPLE, WrappersMP.PREDICT_NOISE, WrappersMP.APPLY_MODEL,

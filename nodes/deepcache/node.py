@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..node_schema import pack_schema, widget_problem
-from . import CACHE_MODES, DeepCacheConfig, apply_deepcache
+from . import CACHE_MODES, DeepCacheSettings, apply_deepcache
 from .families import supported_names
 from .page_status import show_runs_on_node
 
@@ -69,7 +69,7 @@ class Int8AccelDeepCache(io.ComfyNode):
     def validate_inputs(cls, **values) -> bool | str:
         problem = widget_problem(cls, values)
         if problem is None and values.get("start_percent") is not None and values.get("end_percent") is not None:
-            problem = DeepCacheConfig(1, 1, values["start_percent"], values["end_percent"]).problem()
+            problem = DeepCacheSettings(1, 1, values["start_percent"], values["end_percent"]).problem()
         return problem or True
 
     @classmethod

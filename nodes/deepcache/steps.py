@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..wrapper_args import replace_wrapper_arg, wrapper_arg
+from .settings import CacheMode, DeepCacheSettings
 
 STATE_KEY = "int8_accel_deepcache"
 WRAPPER_KEY = "int8_accel_deepcache"
@@ -33,38 +34,6 @@ log = logging.getLogger("int8_accel.deepcache")
 # k-diffusion samplers whose corrector evaluates the model at the *next* schedule sigma right after the
 # step callback, before that next step's own evaluation: the first evaluation there is the intermediate one.
 SECOND_STAGE_AT_NEXT_SIGMA = frozenset({"sample_heun", "sample_heunpp2"})
-
-
-class CacheMode(enum.Enum):
-    """What a cached step puts in place of the deep features."""
-
-    REUSE = "reuse"  # the value of the last full step
-    FORECAST = "forecast"  # a second-order extrapolation from the last full steps
-
-    @property
-    def order(self) -> int:
-        return 2 if self is CacheMode.FORECAST else 0
-
-
-@dataclass(frozen=True)
-class DeepCacheConfig:
-    cache_interval: int
-    cache_depth: int
-    start_percent: float
-    end_percent: float
-    cache_mode: CacheMode = CacheMode.REUSE
-
-    def problem(self) -> str | None:
-        """Why these settings cannot run, naming the input, or None (NaN fails every range check here). How deep
-        a model allows caching is known only once the model is: `apply_deepcache` checks cache_depth then."""
-        if not self.cache_interval >= 1:
-            return f"cache_interval={self.cache_interval} must be at least 1"
-        if not self.cache_depth >= 1:
-            return f"cache_depth={self.cache_depth} must be at least 1"
-        if not 0.0 <= self.start_percent < self.end_percent <= 1.0:
-            return (f"start_percent={self.start_percent} must be smaller than end_percent={self.end_percent}, "
-                    "both within 0..1")
-        return None
 
 
 class Mode(enum.Enum):
@@ -182,12 +151,12 @@ class ModelCall:
 class DeepCacheRun:
     """State of one sampling run: the step plan, where the sampler is, the feature cache, the counts."""
 
-    def __init__(self, config: DeepCacheConfig, sigmas: torch.Tensor, model_sampling, sampler) -> None:
-        self.config = config
+    def __init__(self, settings: DeepCacheSettings, sigmas: torch.Tensor, model_sampling, sampler) -> None:
+        self.settings = settings
         self.sigmas = [float(s) for s in sigmas.flatten().tolist()]
-        start_sigma = float(model_sampling.percent_to_sigma(config.start_percent))
-        end_sigma = float(model_sampling.percent_to_sigma(config.end_percent))
-        self.plan = plan_steps(self.sigmas, config.cache_interval, start_sigma, end_sigma)
+        start_sigma = float(model_sampling.percent_to_sigma(settings.start_percent))
+        end_sigma = float(model_sampling.percent_to_sigma(settings.end_percent))
+        self.plan = plan_steps(self.sigmas, settings.cache_interval, start_sigma, end_sigma)
         function = getattr(sampler, "sampler_function", None)
         self.second_stage_at_next_sigma = getattr(function, "__name__", "") in SECOND_STAGE_AT_NEXT_SIGMA
         self.completed_step = -1
@@ -196,7 +165,7 @@ class DeepCacheRun:
         self.mode = Mode.FULL
         self.evaluation_fell_back = False
         self.call: ModelCall | None = None
-        self.cache = FeatureCache(config.cache_mode)
+        self.cache = FeatureCache(settings.cache_mode)
         self.step = -1  # the sampler step the current evaluation belongs to (counted by sigma)
         self.full_steps = 0
         self.cached_steps = 0
@@ -240,7 +209,7 @@ class DeepCacheRun:
     def summary(self) -> str:
         steps = len(self.plan)
         text = (f"DeepCache: {steps} steps, {self.full_steps} full, {self.cached_steps} cached "
-                f"(interval {self.config.cache_interval}, depth {self.config.cache_depth})")
+                f"(interval {self.settings.cache_interval}, depth {self.settings.cache_depth})")
         if self.extra_evaluations:
             text += f", {self.extra_evaluations} intermediate evaluations run in full"
         if self.cache_misses:
@@ -293,7 +262,7 @@ def chunk_signature(tensor: torch.Tensor, chunks: int) -> tuple:
 
 
 # --- wrappers ----------------------------------------------------------------------------------------
-def make_outer_sample_wrapper(config: DeepCacheConfig) -> Callable:
+def make_outer_sample_wrapper(settings: DeepCacheSettings) -> Callable:
     def deepcache_outer_sample(executor, *args, **kwargs):
         import comfy.model_patcher
 
@@ -301,7 +270,7 @@ def make_outer_sample_wrapper(config: DeepCacheConfig) -> Callable:
         sigmas = wrapper_arg(args, kwargs, 3, "sigmas")
         sampler = wrapper_arg(args, kwargs, 2, "sampler", None)
         model_sampling = guider.model_patcher.get_model_object("model_sampling")
-        run = DeepCacheRun(config, sigmas, model_sampling, sampler)
+        run = DeepCacheRun(settings, sigmas, model_sampling, sampler)
         callback = run.wrap_callback(wrapper_arg(args, kwargs, 5, "callback", None))
         args, kwargs = replace_wrapper_arg(args, kwargs, 5, "callback", callback)
         original_options = guider.model_options
@@ -359,11 +328,11 @@ def make_apply_model_wrapper(uncached_message: Callable[[object], str] | None) -
     return deepcache_apply_model
 
 
-def install_step_wrappers(model, config: DeepCacheConfig,
+def install_step_wrappers(model, settings: DeepCacheSettings,
                           uncached_message: Callable[[object], str] | None = None) -> None:
     """Register the sampler-level wrappers on `model` (a clone the caller owns)."""
     from comfy.patcher_extension import WrappersMP
 
-    model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_outer_sample_wrapper(config))
+    model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, make_outer_sample_wrapper(settings))
     model.add_wrapper_with_key(WrappersMP.PREDICT_NOISE, WRAPPER_KEY, deepcache_predict_noise)
     model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, make_apply_model_wrapper(uncached_message))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -14,14 +15,16 @@ from ...kernels import backend_for, content_checksum, weight_bits
 from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
 
-CACHE_FORMAT_VERSION = 3
+CACHE_FORMAT_VERSION = 4  # 4: the kernel size floor is a gate (LayerMeasurement.below_kernel_floor)
 _SAMPLE_WORDS = 256
 
 INT8 = "int8"
-# The float decisions, by the gate that decided them (the report and the decision picture name that gate).
+# The float decisions, by the gate that decided them, in the order `decide` applies the gates (the report and the
+# decision picture name that gate).
 FLOAT_BY_GATE = {"kind": "float: kind disabled", "density": "float: density below threshold",
+                 "kernel size floor": "float: below the kernel size floor",
                  "error": "float: error above threshold", "speed": "float: slower in INT8"}
-# Within the error and density thresholds but slower in INT8 on the machine that calibrated (Save INT8 Model's
+# Passed every gate but speed: slower in INT8 on the machine that calibrated (Save INT8 Model's
 # smallest file still writes such layers in INT8).
 SLOWER_IN_INT8 = FLOAT_BY_GATE["speed"]
 
@@ -40,6 +43,9 @@ class LayerMeasurement:
     float_ms: float | None = None  # the speed gate's timings of this layer's call (None: not timed)
     int8_ms: float | None = None
     source: str = ""  # a core-quantized layer's format and how its INT8 weights were made ("": a float layer)
+    # The kernel backend serving the calibration's device computes this layer's call in float at the calibration
+    # shape (below its size floor), with the dequantized weight: INT8 would change the result and save nothing.
+    below_kernel_floor: bool = False
 
     @property
     def macs(self) -> int:
@@ -51,7 +57,8 @@ class LayerMeasurement:
 
     @property
     def within_thresholds(self) -> bool:
-        """Passed the kind, density and error gates: in INT8 now, or kept in float by the speed gate alone."""
+        """Passed the kind, density, kernel size floor and error gates: in INT8 now, or kept in float by the speed
+        gate alone."""
         return self.decision in (INT8, SLOWER_IN_INT8)
 
 
@@ -94,21 +101,41 @@ class CalibrationResult:
                    created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0))
 
 
-def decide(layer: LayerMeasurement, settings: QuantizeSettings) -> str:
-    """The layer's decision: INT8, or float named by the first gate it fails (kind, density, error, speed)."""
+def decide(layer: LayerMeasurement, settings: QuantizeSettings, measure_error: Callable[[], float],
+           time_calls: Callable[[], tuple[float, float] | None]) -> str:
+    """Whether `layer` runs in INT8: the one decision, made once per layer at calibration, recorded in
+    `layer.decision` and returned. INT8, or float named by the first gate it fails, in this order: kind (enabled
+    in `settings`), density (at least the threshold), kernel size floor (`layer.below_kernel_floor`), error (the
+    INT8 copy's normalized error, from `measure_error()`, at most the kind's threshold), speed (`time_calls()`:
+    (float ms, int8 ms) of the layer's call, or None when the speed gate is off; INT8 must be faster).
+
+    The error and the timings cost a forward of the layer's INT8 copy and several timed calls, so they are
+    measured only for a layer that reaches their gate; they are recorded in `layer` too."""
+    layer.decision = _first_failed_gate(layer, settings, measure_error, time_calls)
+    return layer.decision
+
+
+def _first_failed_gate(layer: LayerMeasurement, settings: QuantizeSettings, measure_error: Callable[[], float],
+                       time_calls: Callable[[], tuple[float, float] | None]) -> str:
     if not settings.kind_enabled(layer.kind):
         return FLOAT_BY_GATE["kind"]
     if layer.density < settings.compute_density_threshold:
         return FLOAT_BY_GATE["density"]
-    if layer.error is None or layer.error > settings.threshold_for(layer.kind):
+    if layer.below_kernel_floor:
+        return FLOAT_BY_GATE["kernel size floor"]
+    layer.error = measure_error()
+    if not layer.error <= settings.threshold_for(layer.kind):  # a NaN error fails too
         return FLOAT_BY_GATE["error"]
-    if layer.float_ms is not None and layer.int8_ms is not None and layer.int8_ms >= layer.float_ms:
-        return FLOAT_BY_GATE["speed"]
+    timings = time_calls()
+    if timings is not None:
+        layer.float_ms, layer.int8_ms = timings
+        if layer.int8_ms >= layer.float_ms:
+            return FLOAT_BY_GATE["speed"]
     return INT8
 
 
 def decisive_gate(layer: LayerMeasurement) -> str:
-    """The gate that kept the layer in float (kind, density, error, speed), or "all passed" for an INT8 layer."""
+    """The gate that kept the layer in float (a key of FLOAT_BY_GATE), or "all passed" for an INT8 layer."""
     for gate, decision in FLOAT_BY_GATE.items():
         if layer.decision == decision:
             return gate

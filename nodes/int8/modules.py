@@ -180,10 +180,7 @@ class Int8Linear(_Int8Layer):
 
     @classmethod
     def from_float(cls, module: torch.nn.Linear, qmax: int | None = None) -> Int8Linear:
-        weight, bias = effective_weight_and_bias(module)
-        layer = cls(weight, bias, qmax)
-        layer.compute_dtype = held_dtype(module.weight.dtype)
-        return layer
+        return int8_layer_like(module, "linear", *effective_weight_and_bias(module), qmax)
 
     def prepare(self) -> None:
         prepare_int8_linear(self.weight, self.weight_scale, self.bias)
@@ -235,10 +232,7 @@ class Int8Conv2d(_Int8Layer):
 
     @classmethod
     def from_float(cls, module: torch.nn.Conv2d, qmax: int | None = None) -> Int8Conv2d:
-        weight, bias = effective_weight_and_bias(module)
-        layer = cls(weight, bias, module.stride, module.padding, module.dilation, module.groups, qmax)
-        layer.compute_dtype = held_dtype(module.weight.dtype)
-        return layer
+        return int8_layer_like(module, "conv", *effective_weight_and_bias(module), qmax)
 
     def prepare(self) -> None:
         prepare_int8_conv2d(self.weight, self.weight_scale, self.bias, self.stride, self.padding, self.dilation,
@@ -267,6 +261,20 @@ def refresh_int8_weights(root: torch.nn.Module) -> None:
             if module.weight.device.type != "cpu":
                 weight_changed(module.weight)
             module.prepare()  # a weight moved to another device since has no derived forms there yet
+
+
+def int8_layer_like(module: torch.nn.Module, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                    qmax: int | None = None) -> Int8Linear | Int8Conv2d:
+    """The INT8 layer of float layer `module`'s kind ('linear' / 'conv') and geometry holding `weight` / `bias`
+    (its live weights, or others: the ones a checkpoint saves), computing in the dtype `module` holds its weight in;
+    `qmax` as for the layers (default: the weight width of the device `weight` is on)."""
+    with torch.inference_mode(False), torch.no_grad():
+        if kind == "linear":
+            layer = Int8Linear(weight, bias, qmax)
+        else:
+            layer = Int8Conv2d(weight, bias, module.stride, module.padding, module.dilation, module.groups, qmax)
+    layer.compute_dtype = held_dtype(module.weight.dtype)
+    return layer
 
 
 def is_quantizable(module: torch.nn.Module) -> str | None:

@@ -17,12 +17,14 @@ SIZE = (768, 512)  # width, height: fixed, whatever the model
 PLOT = (96, 74, SIZE[0] - 24, SIZE[1] - 92)  # left, top, right, bottom of the axes box
 UNMEASURED_Y = SIZE[1] - 58  # the strip below the axes for layers whose error was not measured
 BACKGROUND, INK, GRID = (255, 255, 255), (30, 30, 30), (225, 225, 225)
-# (decision, legend label, colour), drawn in this order so INT8 points stay on top.
+# (decision, legend label, colour), drawn in this order so INT8 points stay on top. A float decision's label is
+# the gate that decided it, as the report's "decided by" column names it.
 DECISIONS = (
-    (FLOAT_BY_GATE["kind"], "float: kind off", (170, 170, 170)),
-    (FLOAT_BY_GATE["density"], "float by density", (120, 144, 200)),
-    (FLOAT_BY_GATE["speed"], "float by speed", (240, 150, 30)),
-    (FLOAT_BY_GATE["error"], "float by error", (214, 39, 40)),
+    (FLOAT_BY_GATE["kind"], "kind", (170, 170, 170)),
+    (FLOAT_BY_GATE["density"], "density", (120, 144, 200)),
+    (FLOAT_BY_GATE["kernel size floor"], "kernel size floor", (150, 100, 190)),
+    (FLOAT_BY_GATE["speed"], "speed", (240, 150, 30)),
+    (FLOAT_BY_GATE["error"], "error", (214, 39, 40)),
     (INT8, "INT8", (30, 150, 60)),
 )
 THRESHOLD_COLOUR = (90, 90, 90)
@@ -145,8 +147,12 @@ def decision_picture(result: CalibrationResult, settings: QuantizeSettings, titl
             y = UNMEASURED_Y if layer.error is None else py(layer.error)
             draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=colour, outline=INK if decision == INT8 else None)
 
-    legend_x = left
-    for decision, name, colour in DECISIONS:
+    legend_x = 12.0
+    int8_entry, float_entries = DECISIONS[-1], DECISIONS[:-1]
+    for i, (decision, name, colour) in enumerate((int8_entry, *float_entries)):
+        if i == 1:
+            draw.text((legend_x, SIZE[1] - 15), "float by:", fill=INK, font=label, anchor="lm")
+            legend_x += 8 + draw.textlength("float by:", font=label)
         count = sum(1 for layer in result.layers if layer.decision == decision)
         text = f"{name} {count}"
         draw.ellipse([legend_x, SIZE[1] - 20, legend_x + 10, SIZE[1] - 10], fill=colour)

@@ -30,13 +30,14 @@ from ...kernels import (
     normalized_mse,
     record_calls,
     release_packed_weight,
+    runs_in_float,
     weight_bits,
     weight_qmax,
 )
 from ..page import show_image_on_node, show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
-from .calibration import CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
+from .calibration import INT8, CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
 from .core_layers import core_layer_source, core_layers_left, core_linear_format
 from .environment import speed_gate_enabled
 from .modules import Int8Conv2d, Int8Linear, is_quantizable
@@ -315,6 +316,26 @@ class Int8Plan:
             return Int8Linear.from_core(module, qmax)
 
     # --- calibration ---------------------------------------------------------------------------------
+    @staticmethod
+    def _measurement(name: str, kind: str, module: torch.nn.Module, x: torch.Tensor,
+                     output: torch.Tensor) -> LayerMeasurement:
+        """What calibration knows of a layer's call before deciding: its GEMM sizes, density and whether the kernel
+        backend serving `x`'s device would compute it in float (below its size floor)."""
+        weight = module.weight
+        if kind == "linear":
+            k, n = weight.shape[1], weight.shape[0]
+            m = x.numel() // max(1, k)
+            below_floor = runs_in_float("linear", x.shape, weight.shape, x.device)
+        else:
+            k = weight.shape[1] * weight.shape[2] * weight.shape[3]
+            n = weight.shape[0]
+            m = output.shape[0] * output.shape[2] * output.shape[3]
+            below_floor = runs_in_float("conv2d", x.shape, weight.shape, x.device, module.stride, module.padding,
+                                        module.dilation)
+        return LayerMeasurement(name=name, kind=kind, weight_shape=list(weight.shape), m=m, k=k, n=n,
+                                density=compute_density(m, k, n), error=None, source=core_layer_source(module),
+                                below_kernel_floor=below_floor)
+
     def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str):
         start = time.perf_counter()
         root = self._fresh_module_cache(base_model)
@@ -331,33 +352,30 @@ class Int8Plan:
                 if name in measurements or not isinstance(output, torch.Tensor):
                     return
                 x = inputs[0]
-                weight = module.weight
-                if kind == "linear":
-                    k, n = weight.shape[1], weight.shape[0]
-                    m = x.numel() // max(1, k)
-                else:
-                    k = weight.shape[1] * weight.shape[2] * weight.shape[3]
-                    n = weight.shape[0]
-                    m = output.shape[0] * output.shape[2] * output.shape[3]
-                row = LayerMeasurement(name=name, kind=kind, weight_shape=list(weight.shape), m=m, k=k, n=n,
-                                       density=compute_density(m, k, n), error=None, source=core_layer_source(module))
-                # One layer at a time: only a layer that passes the kind and density gates is quantized, and its
-                # INT8 copy is kept only if it passes the error gate too.
-                if self.settings.kind_enabled(kind) and row.density >= self.settings.compute_density_threshold:
+                row = self._measurement(name, kind, module, x, output)
+                int8_copy = []  # the layer's INT8 copy, once the error gate asked for it
+
+                def measure_error() -> float:
                     layer = self._modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
+                    int8_copy.append(layer)
                     memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
-                    row.error = normalized_mse(layer(x), output)
-                    if gate and decide(row, self.settings) == "int8":
-                        signature = call_signature(kind, module, x)
-                        if signature not in timings:  # module.forward: calling the module would re-enter this hook
-                            timings[signature] = time_float_and_int8(lambda: module.forward(x), lambda: layer(x),
-                                                                     x.device)
-                        row.float_ms = 1e3 * timings[signature].float_seconds
-                        row.int8_ms = 1e3 * timings[signature].int8_seconds
-                    if decide(row, self.settings) == "int8":
-                        self._modules[name] = layer
-                        memory["kept"] += int8_module_bytes(layer)
-                    del layer
+                    return normalized_mse(layer(x), output)
+
+                def time_calls() -> tuple[float, float] | None:
+                    if not gate:
+                        return None
+                    signature = call_signature(kind, module, x)
+                    if signature not in timings:  # module.forward: calling the module would re-enter this hook
+                        timings[signature] = time_float_and_int8(lambda: module.forward(x), lambda: int8_copy[0](x),
+                                                                 x.device)
+                    return 1e3 * timings[signature].float_seconds, 1e3 * timings[signature].int8_seconds
+
+                # One layer at a time: a layer is quantized only when it reaches the error gate, and its INT8
+                # copy is kept only when it runs in INT8.
+                if decide(row, self.settings, measure_error, time_calls) == INT8:
+                    self._modules[name] = int8_copy[0]
+                    memory["kept"] += int8_module_bytes(int8_copy[0])
+                int8_copy.clear()
                 measurements[name] = row
                 progress.update(1)
             return hook
@@ -371,8 +389,6 @@ class Int8Plan:
                 handle.remove()
 
         layers = [measurements[name] for name in candidates if name in measurements]
-        for layer in layers:
-            layer.decision = decide(layer, self.settings)
         result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers, backend=backend_for(args[0].device),
                                    left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device))
         chosen = set(result.chosen)

@@ -100,12 +100,13 @@ def _core_formats_line(result: CalibrationResult) -> str:
     return "core-quantized layers: " + ", ".join(parts) if parts else ""
 
 
-
 def _details_line(result: CalibrationResult, settings: QuantizeSettings) -> str:
     timed = any(layer.int8_ms is not None for layer in result.layers)
     return (f"INT8 calibration on latent {result.shape} ({result.seconds:.1f} s). A layer runs in INT8 when its "
             f"kind is enabled (gate 'kind'), its compute density is at least {settings.compute_density_threshold} "
-            f"('density'), its norm. MSE = mean((y_int8 - y)^2) / mean(y^2) is at most "
+            f"('density'), the {result.backend or 'kernel'} backend computes its call at this latent size in INT8, "
+            f"not in float below its size floor ('kernel size floor'), its norm. MSE = mean((y_int8 - y)^2) / "
+            f"mean(y^2) is at most "
             f"{settings.conv_mse_threshold:g} (conv) / {settings.linear_mse_threshold:g} (linear) ('error')"
             + (" and its INT8 call is faster than its float call ('speed'; float/int8 ms: the speed gate's median "
                "times)." if timed else "; no layer was timed (speed gate off, or no layer reached it)."))

@@ -1,8 +1,8 @@
 """Saving a quantized MODEL as an INT8 checkpoint in ComfyUI's INT8 format (see `checkpoint.py`).
 
-The layers written in INT8 come from the model's calibration, by the `int8_layers` choice: every layer within the
-error and density thresholds (`SMALLEST_FILE`, the default: a file for memory), or only those the speed gate also
-kept because they ran faster in INT8 on the machine that calibrated (`FASTER_ONLY`). They are quantized per output
+The layers written in INT8 come from the model's calibration decision, by the `int8_layers` choice: every layer
+that passed all its gates but speed (`SMALLEST_FILE`, the default: a file for memory), or only those the speed gate
+also kept because they ran faster in INT8 on the machine that calibrated (`FASTER_ONLY`). They are quantized per output
 channel for the weight width of the model's load device, from the model's float weights: the original ones, or with
 the model's LoRA/weight patches merged in when asked (computed here, never by asking ComfyUI to patch the model,
 which dynamic VRAM refuses). Everything else is written as it is.
@@ -22,7 +22,7 @@ from ..comfy_contracts import merged_state_dict
 from ..page import show_on_node
 from . import int8_plan
 from .checkpoint import int8_metadata, int8_state_dict
-from .modules import Int8Conv2d, Int8Linear, held_dtype
+from .modules import int8_layer_like
 from .plan import Int8Plan, canonical_name, find_candidates, unwrap_compiled
 
 log = logging.getLogger("int8_accel.int8")
@@ -42,18 +42,6 @@ def _calibration_result(plan: Int8Plan):
     if plan.last_result is not None:
         return plan.last_result
     return next(reversed(plan.results.values()), None)
-
-
-def _int8_layer(module: torch.nn.Module, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
-                qmax: int) -> torch.nn.Module:
-    """The INT8 layer of `module`'s geometry holding `weight` / `bias` (the weights to save, not the live ones)."""
-    with torch.inference_mode(False), torch.no_grad():
-        if kind == "linear":
-            layer = Int8Linear(weight, bias, qmax)
-        else:
-            layer = Int8Conv2d(weight, bias, module.stride, module.padding, module.dilation, module.groups, qmax)
-    layer.compute_dtype = held_dtype(module.weight.dtype)
-    return layer
 
 
 def int8_checkpoint(model, bake_lora: bool = False, after_sampling: bool = False,
@@ -81,8 +69,8 @@ def int8_checkpoint(model, bake_lora: bool = False, after_sampling: bool = False
     for name in names:
         if name in candidates:
             path, kind = candidates[name]
-            layers[name] = _int8_layer(root.get_submodule(path), kind, weights[f"{name}.weight"],
-                                       weights.get(f"{name}.bias"), weight_qmax(device))
+            layers[name] = int8_layer_like(root.get_submodule(path), kind, weights[f"{name}.weight"],
+                                           weights.get(f"{name}.bias"), weight_qmax(device))
     with torch.no_grad():
         sd = int8_state_dict(weights.items(), layers)
     kinds = [candidates[name][1] for name in layers]

@@ -28,8 +28,9 @@ class Int8AccelSaveModel(io.ComfyNode):
                     "Write the weights with the model's LoRA and other weight patches applied. Off: the original "
                     "weights, so a LoRA can still be added after loading.")),
                 io.Combo.Input("int8_layers", options=list(INT8_LAYER_CHOICES), default=SMALLEST_FILE, tooltip=(
-                    "Which layers the file holds in INT8. Every accurate layer: all layers within the Quantize "
-                    "node's error and density thresholds, for the smallest file and least memory. Only layers "
+                    "Which layers the file holds in INT8. Every accurate layer: all layers that passed every "
+                    "gate of the Quantize node's decision but speed (kind, density, kernel size floor, error), "
+                    "for the smallest file and least memory. Only layers "
                     "faster in INT8: those the speed gate also kept because they ran faster in INT8 than in float "
                     "on the machine that calibrated (all accurate layers when the gate is off).")),
                 io.Latent.Input("after_sampling", optional=True, tooltip=(

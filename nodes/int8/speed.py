@@ -5,7 +5,7 @@ Layers with the same call signature (kind, input shape and dtype, weight shape, 
 measurement, so a UNet's many same-shaped layers are timed once per calibration. The CPU times one synchronized
 call per sample with the host clock; CUDA times several back-to-back calls between CUDA events after a warm-up
 (`timing_plan`), as sampling queues them. `INT8_ACCEL_SPEED_GATE=0`
-turns the gate off (the error and density gates alone decide), for reproducible layer choices.
+turns the gate off (the other gates alone decide), for reproducible layer choices.
 """
 
 from __future__ import annotations

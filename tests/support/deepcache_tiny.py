@@ -37,12 +37,3 @@ def int8_everywhere(model):
     quantized, report = int8.apply_int8(model, settings)
     assert quantized is not model, report
     return quantized
-
-
-@pytest.fixture
-def int8_kernels_on_tiny_layers(monkeypatch, tmp_path):
-    """The cpu backend runs layers this small in float (too small to pay); here the larger ones (the feed-forward
-    layers) run its INT8 kernels."""
-    cpu = importlib.import_module("comfyui_int8_accel.kernels.cpu")
-    monkeypatch.setattr(cpu, "LINEAR_MIN_MACS", 100_000)
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
