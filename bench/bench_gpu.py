@@ -1,7 +1,7 @@
 """GPU bench: fp16 vs INT8 Linear/Conv2d layers at SD1.5 (512x512), SDXL (1024x1024) and Flux (1024x1024) shapes.
 
 Per layer shape: median milliseconds per call and peak VRAM (the layer's weight, input, output and workspace)
-for fp16 (F.linear / F.conv2d), INT8 through this pack's ops (the backend `backend_for` picks: triton, or cuda
+for fp16 (F.linear / F.conv2d), INT8 through this pack's ops (the backend `kernel_backend_for` picks: triton, or cuda
 without Triton), INT8 inside `torch.compile(mode="reduce-overhead")` (CUDA graphs: no launch overhead), and
 comfy-kitchen's `int8_linear` where it is installed and has a CUDA backend (Linear only). Per model, "s/step"
 sums each variant over the listed layers times their count in one sampling step (CFG batch of 2 for the UNets):
@@ -186,7 +186,7 @@ def main() -> int:
     kitchen, kitchen_why = _kitchen_linear()
     device = torch.device("cuda")
     lines = [f"# GPU bench: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, INT8 backend "
-             f"`{kernels.backend_for(device)}`", "",
+             f"`{kernels.kernel_backend_for(device)}`", "",
              "Per call: median ms / peak MiB (weight, input, output, workspace). fp16 baseline; "
              "int8+compile is torch.compile(mode=\"reduce-overhead\").", ""]  # fmt: skip
     if kitchen is None:

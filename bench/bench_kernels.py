@@ -31,11 +31,11 @@ from harness.comfy_host import load_pack  # noqa: E402
 load_pack()  # this repository as the package ComfyUI loads; no ComfyUI needed for the kernels
 
 from comfyui_int8_accel.kernels import (  # noqa: E402
-    backend_for,
     conv_output_shape,
     cpu,
     int8_conv2d,
     int8_linear,
+    kernel_backend_for,
     normalized_mse,
     quantize_weight_per_channel,
     record_calls,
@@ -224,7 +224,7 @@ def main() -> None:
         f"{f' --threads {args.threads}' if args.threads else ''}`. "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
         f"int8 dot-product instructions (VNNI/AMX): {cpu_has_int8_dot_product()}, "
-        f"weights {weight_bits('cpu')}-bit (qmax {weight_qmax('cpu')}), backend {backend_for('cpu')}. "
+        f"weights {weight_bits('cpu')}-bit (qmax {weight_qmax('cpu')}), backend {kernel_backend_for('cpu')}. "
         f"Load average at the end: {load:.1f} (a shared 2-core machine: absolute times are noisy, ratios are "
         "interleaved medians of the same process).",
         "",

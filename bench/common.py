@@ -153,7 +153,7 @@ def write_table(name: str, title: str, header: list[str], rows: list[list[str]],
 
 def cpu_line() -> str:
     """This CPU as the bench results should name it: model, cores, the SIMD flags INT8 depends on, weight width."""
-    from comfyui_int8_accel.kernels import backend_for, weight_bits
+    from comfyui_int8_accel.kernels import kernel_backend_for, weight_bits
     from comfyui_int8_accel.kernels.quant import cpu_has_int8_dot_product
 
     model, flags = "unknown CPU", set()
@@ -167,7 +167,7 @@ def cpu_line() -> str:
     present = [f for f in wanted if f in flags]
     return (f"{model}, {os.cpu_count()} cores, flags {' '.join(present)} (no {', '.join(f for f in wanted if f not in flags) or '-'}); "
             f"int8 dot-product instructions (VNNI/AMX): {cpu_has_int8_dot_product()}, so INT8 weights are "
-            f"{weight_bits('cpu')}-bit; backend {backend_for('cpu')}; torch {torch.__version__}, "
+            f"{weight_bits('cpu')}-bit; backend {kernel_backend_for('cpu')}; torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
 

@@ -6,9 +6,9 @@ VNNI/AMX, 7 bits (63) on other CPUs. Activations are quantized at run time: per 
 after `set_linear_activation_granularity("tensor")`), per tensor (affine uint8) for Conv2d.
 
 `int8_linear` / `int8_conv2d` go through the `torch.ops.int8_accel.linear` / `.conv2d` custom ops (fake kernels
-registered: torch.compile traces them with fullgraph=True), which dispatch to one of `BACKENDS`:
+registered: torch.compile traces them with fullgraph=True), which dispatch to one of `KERNEL_BACKENDS`:
 "reference" (plain PyTorch), "cpu" (oneDNN), "cuda" (`torch._int_mm` + torch ops), "triton" (Triton kernels +
-`torch._int_mm`). `backend_for(device)` says which one serves a device, `force_backend(name)` overrides it in
+`torch._int_mm`). `kernel_backend_for(device)` says which one serves a device, `force_kernel_backend(name)` overrides it in
 the current thread, `record_calls()` counts which backend and path ("int8" or "float") served each call, and
 `runs_in_float(op, x_shape, weight_shape, device, ...)` says beforehand which path a call of given shapes takes
 (the cpu backend computes calls below its size floor in float with the dequantized weight).
@@ -35,12 +35,12 @@ from .ops import (
     runs_in_float,
 )
 from .policy import (
-    BACKENDS,
-    BackendUnavailableError,
-    backend_for,
-    backend_unavailable_reason,
-    force_backend,
-    forced_backend,
+    KERNEL_BACKENDS,
+    KernelBackendUnavailableError,
+    force_kernel_backend,
+    forced_kernel_backend,
+    kernel_backend_for,
+    kernel_backend_unavailable_reason,
     weight_bits,
     weight_qmax,
 )
@@ -69,17 +69,17 @@ def weight_changed(q_weight: torch.Tensor) -> None:
 
 
 __all__ = [
-    "BACKENDS",
-    "BackendUnavailableError",
+    "KERNEL_BACKENDS",
+    "KernelBackendUnavailableError",
     "CompiledOrEager",
-    "backend_for",
-    "backend_unavailable_reason",
+    "kernel_backend_for",
+    "kernel_backend_unavailable_reason",
     "compute_density",
     "content_checksum",
     "conv_output_shape",
     "dequantize_weight",
-    "force_backend",
-    "forced_backend",
+    "force_kernel_backend",
+    "forced_kernel_backend",
     "int8_conv2d",
     "int8_linear",
     "linear_activation_granularity",

@@ -2,7 +2,7 @@
 
 Registered through `torch.library` so torch.compile/dynamo traces a model containing them without graph breaks.
 
-Backends (`BACKENDS`, one module each, in one table): every backend module has `available() -> str | None`
+Backends (`KERNEL_BACKENDS`, one module each, in one table): every backend module has `available() -> str | None`
 (None when usable, else why not), `linear(x, q_weight, w_scale, bias)` and
 `conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)`, both returning the output. Optionally:
 `prepare_linear` / `prepare_conv2d` (the same arguments without x) build a weight's derived forms ahead of the
@@ -10,7 +10,7 @@ first call (`prepare_int8_linear` / `prepare_int8_conv2d`); a backend that compu
 dequantized weight (shapes below its size floor, too small for INT8 to pay) says which through
 `linear_runs_in_float(x_shape, weight_shape)` / `conv2d_runs_in_float(x_shape, weight_shape, stride, padding,
 dilation)`, which `runs_in_float` asks. Automatic choice per device: CUDA -> triton,
-else cuda; CPU -> cpu, else reference; anything else -> reference. `force_backend` overrides it in the current
+else cuda; CPU -> cpu, else reference; anything else -> reference. `force_kernel_backend` overrides it in the current
 thread; `record_calls` counts which backend and path served each call made in the current thread.
 """
 
@@ -24,8 +24,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .policy import BACKEND_MODULES, backend_for
-from .policy import backend_unavailable_reason as backend_unavailable_reason  # where callers looked it up before
+from .policy import KERNEL_BACKEND_MODULES, kernel_backend_for
+from .policy import (
+    kernel_backend_unavailable_reason as kernel_backend_unavailable_reason,  # where callers looked it up before
+)
 from .quant import conv_output_shape, pair
 
 
@@ -58,9 +60,9 @@ def _record(op: str, backend: str, path: str) -> None:
         counter[(op, backend, path)] += 1
 
 
-def _backend_runs_in_float(backend: str, op: str, x_shape: Sequence[int], weight_shape: Sequence[int],
+def _kernel_backend_runs_in_float(backend: str, op: str, x_shape: Sequence[int], weight_shape: Sequence[int],
                            stride: list[int], padding: list[int], dilation: list[int]) -> bool:
-    module = BACKEND_MODULES[backend]
+    module = KERNEL_BACKEND_MODULES[backend]
     if op == "linear":
         query = getattr(module, "linear_runs_in_float", None)
         return query is not None and query(x_shape, weight_shape)
@@ -76,32 +78,32 @@ def runs_in_float(op: str, x_shape: Sequence[int], weight_shape: Sequence[int], 
     the others have none); False when it runs the INT8 arithmetic."""
     if op not in ("linear", "conv2d"):
         raise ValueError(f"op must be 'linear' or 'conv2d', got {op!r}")
-    return _backend_runs_in_float(backend_for(device), op, tuple(x_shape), tuple(weight_shape), pair(stride),
+    return _kernel_backend_runs_in_float(kernel_backend_for(device), op, tuple(x_shape), tuple(weight_shape), pair(stride),
                                   pair(padding), pair(dilation))
 
 
 def _linear_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    backend = backend_for(x.device)
+    backend = kernel_backend_for(x.device)
     if x.numel() == 0:
         y, path = x.new_zeros(*x.shape[:-1], q_weight.shape[0]), "float"
     else:
-        in_float = _backend_runs_in_float(backend, "linear", x.shape, q_weight.shape, [], [], [])
+        in_float = _kernel_backend_runs_in_float(backend, "linear", x.shape, q_weight.shape, [], [], [])
         path = "float" if in_float else "int8"
-        y = BACKEND_MODULES[backend].linear(x, q_weight, w_scale, bias)
+        y = KERNEL_BACKEND_MODULES[backend].linear(x, q_weight, w_scale, bias)
     _record("linear", backend, path)
     return y
 
 
 def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                  stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
-    backend = backend_for(x.device)
+    backend = kernel_backend_for(x.device)
     stride, padding, dilation = list(stride), list(padding), list(dilation)
     if x.numel() == 0:
         y, path = x.new_zeros(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)), "float"
     else:
-        in_float = _backend_runs_in_float(backend, "conv2d", x.shape, q_weight.shape, stride, padding, dilation)
+        in_float = _kernel_backend_runs_in_float(backend, "conv2d", x.shape, q_weight.shape, stride, padding, dilation)
         path = "float" if in_float else "int8"
-        y = BACKEND_MODULES[backend].conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
+        y = KERNEL_BACKEND_MODULES[backend].conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
     _record("conv2d", backend, path)
     return y
 
@@ -156,7 +158,7 @@ else:
 def prepare_int8_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
     """Build now the derived forms of a Linear weight (padded rows, ...) that the backend serving its device
     would otherwise build on the first call, where a CUDA-graph warm-up or capture may be running."""
-    prepare = getattr(BACKEND_MODULES[backend_for(q_weight.device)], "prepare_linear", None)
+    prepare = getattr(KERNEL_BACKEND_MODULES[kernel_backend_for(q_weight.device)], "prepare_linear", None)
     if prepare is not None:
         prepare(q_weight, w_scale, bias)
 
@@ -165,7 +167,7 @@ def prepare_int8_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: tor
                         stride: int | Sequence[int] = (1, 1), padding: int | Sequence[int] = (0, 0),
                         dilation: int | Sequence[int] = (1, 1), groups: int = 1) -> None:  # fmt: skip
     """`prepare_int8_linear` for a Conv2d weight (GEMM rows, column sums) with the layer's conv arguments."""
-    prepare = getattr(BACKEND_MODULES[backend_for(q_weight.device)], "prepare_conv2d", None)
+    prepare = getattr(KERNEL_BACKEND_MODULES[kernel_backend_for(q_weight.device)], "prepare_conv2d", None)
     if prepare is not None:
         prepare(q_weight, w_scale, bias, pair(stride), pair(padding), pair(dilation), int(groups))
 

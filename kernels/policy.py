@@ -1,4 +1,4 @@
-"""Which backend serves a device (`backend_for`, `force_backend`) and how wide weights may be there
+"""Which backend serves a device (`kernel_backend_for`, `force_kernel_backend`) and how wide weights may be there
 (`weight_bits`): the policy the ops and the layers consult. It imports the backend modules; they import none of
 it (nor `ops`), so the package has no import cycle.
 """
@@ -16,41 +16,41 @@ from . import cpu, cuda, reference, triton_backend
 from .environment import forced_weight_bits
 from .quant import cpu_has_int8_dot_product
 
-BACKEND_MODULES: dict[str, ModuleType] = {"reference": reference, "cpu": cpu, "cuda": cuda, "triton": triton_backend}
-BACKENDS: tuple[str, ...] = tuple(BACKEND_MODULES)
+KERNEL_BACKEND_MODULES: dict[str, ModuleType] = {"reference": reference, "cpu": cpu, "cuda": cuda, "triton": triton_backend}
+KERNEL_BACKENDS: tuple[str, ...] = tuple(KERNEL_BACKEND_MODULES)
 AUTO = "auto"
 
 
-class BackendUnavailableError(RuntimeError):
+class KernelBackendUnavailableError(RuntimeError):
     """A backend was forced that cannot run here; the message names the reason."""
 
 
-class _ForcedBackend(threading.local):
+class _ForcedKernelBackend(threading.local):
     def __init__(self) -> None:
         self.forced = AUTO
 
 
-_local = _ForcedBackend()
+_local = _ForcedKernelBackend()
 
 
-def backend_unavailable_reason(name: str) -> str | None:
+def kernel_backend_unavailable_reason(name: str) -> str | None:
     """None when backend `name` can run here, else the reason it cannot."""
-    if name not in BACKEND_MODULES:
-        raise ValueError(f"unknown backend {name!r}; expected one of {(AUTO, *BACKENDS)}")
-    return BACKEND_MODULES[name].available()
+    if name not in KERNEL_BACKEND_MODULES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {(AUTO, *KERNEL_BACKENDS)}")
+    return KERNEL_BACKEND_MODULES[name].available()
 
 
 @contextlib.contextmanager
-def force_backend(name: str) -> Iterator[None]:
-    """Run the INT8 ops of the current thread through one backend: "auto", or one of `BACKENDS`.
+def force_kernel_backend(name: str) -> Iterator[None]:
+    """Run the INT8 ops of the current thread through one backend: "auto", or one of `KERNEL_BACKENDS`.
 
     "cuda" also runs on CPU tensors (torch._int_mm is exact there), and so does "triton" under the Triton
-    interpreter. Raises `BackendUnavailableError` (naming the reason) if that backend cannot run here.
+    interpreter. Raises `KernelBackendUnavailableError` (naming the reason) if that backend cannot run here.
     """
     if name != AUTO:
-        reason = backend_unavailable_reason(name)
+        reason = kernel_backend_unavailable_reason(name)
         if reason is not None:
-            raise BackendUnavailableError(f"INT8 backend {name!r} is unavailable: {reason}")
+            raise KernelBackendUnavailableError(f"INT8 backend {name!r} is unavailable: {reason}")
     previous = _local.forced
     _local.forced = name
     try:
@@ -59,12 +59,12 @@ def force_backend(name: str) -> Iterator[None]:
         _local.forced = previous
 
 
-def forced_backend() -> str | None:
-    """The backend `force_backend` put in force in this thread, or None (automatic choice)."""
+def forced_kernel_backend() -> str | None:
+    """The backend `force_kernel_backend` put in force in this thread, or None (automatic choice)."""
     return None if _local.forced == AUTO else _local.forced
 
 
-def backend_for(device: torch.device | str) -> str:
+def kernel_backend_for(device: torch.device | str) -> str:
     """The backend an INT8 op on `device` would run on now, in this thread (a forced backend wins)."""
     if _local.forced != AUTO:
         return _local.forced
@@ -83,13 +83,13 @@ def weight_bits(device: torch.device | str) -> int:
 
     7 where the cpu backend serves a CPU without VNNI/AMX: there u8 x s8 pairwise sums clip at +-32767 unless
     |w| <= 63 (255 * 63 * 2 < 32767). 8 everywhere else: CUDA, VNNI/AMX CPUs, and the reference backend (exact
-    on any CPU, e.g. under `force_backend("reference")`). `INT8_ACCEL_WEIGHT_BITS=7` (read at every call)
+    on any CPU, e.g. under `force_kernel_backend("reference")`). `INT8_ACCEL_WEIGHT_BITS=7` (read at every call)
     forces 7 bits on any device, so a VNNI machine can exercise the numerics of one without.
     """
     forced = forced_weight_bits()
     if forced is not None:
         return forced
-    if backend_for(device) == "cpu" and not cpu_has_int8_dot_product():
+    if kernel_backend_for(device) == "cpu" and not cpu_has_int8_dot_product():
         return 7
     return 8
 

@@ -63,7 +63,7 @@ def weight_width(request, monkeypatch) -> int:
     """Run the test with both INT8 weight widths on any CPU: 7 bits through INT8_ACCEL_WEIGHT_BITS=7 (what a CPU
     without VNNI uses), 8 bits through the CPU's own kernels where it has VNNI, else through the exact reference
     backend. So a VNNI machine cannot hide a failure of the 7-bit path, nor an AVX2 machine one of the 8-bit path."""
-    from comfyui_int8_accel.kernels import force_backend, weight_bits
+    from comfyui_int8_accel.kernels import force_kernel_backend, weight_bits
 
     monkeypatch.delenv("INT8_ACCEL_WEIGHT_BITS", raising=False)
     if request.param == 7:
@@ -73,7 +73,7 @@ def weight_width(request, monkeypatch) -> int:
     elif weight_bits("cpu") == 8:
         yield 8
     else:
-        with force_backend("reference"):
+        with force_kernel_backend("reference"):
             assert weight_bits("cpu") == 8
             yield 8
 

@@ -161,7 +161,7 @@ def test_missing_cpp_compiler_falls_back_to_eager(node, cm, base, caplog):
     inductor_config.cpp.cxx = ("/nonexistent/int8accel-no-such-c++",)
     cpp_builder.cpp_compiler_search.cache_clear()
     try:
-        assert "C++ compiler" in cm.backend_problem("inductor", torch.device("cpu"))
+        assert "C++ compiler" in cm.compile_backend_problem("inductor", torch.device("cpu"))
         with caplog.at_level(logging.WARNING):
             compiled = _compile(node, base)
         assert any("C++ compiler" in r.getMessage() and "running eagerly" in r.getMessage() for r in caplog.records)
@@ -169,7 +169,7 @@ def test_missing_cpp_compiler_falls_back_to_eager(node, cm, base, caplog):
     finally:
         inductor_config.cpp.cxx = configured
         cpp_builder.cpp_compiler_search.cache_clear()
-    assert cm.backend_problem("inductor", torch.device("cpu")) is None
+    assert cm.compile_backend_problem("inductor", torch.device("cpu")) is None
 
 
 def test_backend_failing_at_compile_time_falls_back(node, cm, base, caplog):

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfyui_int8_accel.kernels import backend_unavailable_reason, force_backend, record_calls, weight_bits
+from comfyui_int8_accel.kernels import (
+    force_kernel_backend,
+    kernel_backend_unavailable_reason,
+    record_calls,
+    weight_bits,
+)
 from harness.tiny_models import build_tiny_model, sample
 from tests.support.int8_checks import ALL_INT8, WEIGHT_ERROR_SCALE, rel
 
@@ -18,7 +23,7 @@ HELD = (torch.float32, torch.float16, torch.bfloat16)
 
 def _backends() -> list:
     return [pytest.param(name, marks=pytest.mark.skipif(
-        backend_unavailable_reason(name) is not None, reason=f"{name}: {backend_unavailable_reason(name)}"))
+        kernel_backend_unavailable_reason(name) is not None, reason=f"{name}: {kernel_backend_unavailable_reason(name)}"))
             for name in ("cpu", "reference", "cuda", "triton")]
 
 
@@ -56,7 +61,7 @@ def test_fp8_stored_model_quantizes_and_samples(kind, backend, int8_on_tiny_laye
     assert any(p.dtype == torch.float8_e4m3fn for p in diffusion_model.parameters())
     size = SIZE[kind]
     reference = sample(model, kind, steps=2, height=size, width=size)
-    with force_backend(backend):
+    with force_kernel_backend(backend):
         quantized, _ = apply_int8(model, QuantizeSettings(**ALL_INT8))
         with record_calls() as calls:
             out = sample(quantized, kind, steps=2, height=size, width=size)

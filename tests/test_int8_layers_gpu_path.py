@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from comfyui_int8_accel.kernels import force_backend, record_calls, weight_changed
+from comfyui_int8_accel.kernels import force_kernel_backend, record_calls, weight_changed
 from comfyui_int8_accel.kernels.weight_cache import CACHE
 from tests.support.int8_exact import GPU_PATH
 
@@ -28,7 +28,7 @@ def test_int8_layers_re_prepare_after_an_in_place_lora(backend, int8_modules, of
     float_conv = torch.nn.Conv2d(4, 24, 3, padding=1)
     layer = int8_modules.Int8Conv2d.from_float(float_conv, qmax=127)
     x = torch.randn(1, 4, 9, 9)
-    with force_backend(backend):
+    with force_kernel_backend(backend):
         y = layer(x)
         patched = float_conv.weight.detach() * 1.5 + 0.01
         layer.set_weight(patched, inplace_update=True)
@@ -45,7 +45,7 @@ def test_a_forward_after_preparation_builds_no_derived_weight(backend, int8_modu
     """Padded rows and column sums are built when a layer is prepared (built, requantized, or moved to its device
     and refreshed), never inside a call, where a CUDA-graph warm-up or capture may be running."""
     torch.manual_seed(0)
-    with force_backend(backend):
+    with force_kernel_backend(backend):
         built = sum(CACHE.builds.values())
         layers = [
             (int8_modules.Int8Linear.from_float(torch.nn.Linear(100, 36), qmax=127), torch.randn(2, 17, 100)),
@@ -91,7 +91,7 @@ def test_int8_layers_trace_without_graph_breaks(backend, compile_backend, int8_m
         return head(block(x))
 
     x = torch.randn(2, 8, 8, 8)
-    with force_backend(backend):
+    with force_kernel_backend(backend):
         eager = forward(x)
         torch._dynamo.reset()
         counters.clear()

@@ -152,13 +152,13 @@ def test_int8_copies_take_width_and_place_from_the_device_that_computes(comfy_ro
     """A GPU host whose CPU has no VNNI: ComfyUI keeps offloaded float layers in system memory (7-bit weights
     there), the layers compute on a device whose backend takes 8-bit weights. Emulated on the CPU with the meta
     device as the computing device (its backend, the reference one, takes 8 bits)."""
-    from comfyui_int8_accel.kernels import backend_for, weight_bits
+    from comfyui_int8_accel.kernels import kernel_backend_for, weight_bits
     from comfyui_int8_accel.kernels import policy as kernel_policy
     from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
 
     monkeypatch.delenv("INT8_ACCEL_WEIGHT_BITS", raising=False)
     monkeypatch.setattr(kernel_policy, "cpu_has_int8_dot_product", lambda: False)
-    assert backend_for("cpu") == "cpu" and weight_bits("cpu") == 7 and weight_bits("meta") == 8
+    assert kernel_backend_for("cpu") == "cpu" and weight_bits("cpu") == 7 and weight_bits("meta") == 8
     base = build_tiny_model("sd15")
     out, plan = _quantized(quant, base)
     out.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)  # every float layer offloaded

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_int8_accel.kernels import backend_unavailable_reason, record_calls
+from comfyui_int8_accel.kernels import kernel_backend_unavailable_reason, record_calls
 from harness.tiny_models import build_tiny_model, sample
 from tests.support.workflows_common import PENDING, report_table_rows
 
@@ -149,7 +149,7 @@ def test_calibration_pushes_its_summary_and_picture_onto_the_node(comfy_root, no
     assert int8_points(pixels) > 0
 
 
-@pytest.mark.skipif(backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(kernel_backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_a_layer_below_the_kernel_size_floor_is_reported_float_by_that_gate(comfy_root, node, monkeypatch):
     """With the cpu backend's own Linear floors, every Linear of the tiny model computes in float at the
     calibration shape: the report says so (decided by 'kernel size floor', not counted as INT8), and the INT8

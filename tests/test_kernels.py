@@ -14,19 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_int8_accel.kernels import (
-    BACKENDS,
-    BackendUnavailableError,
+    KERNEL_BACKENDS,
     CompiledOrEager,
-    backend_for,
+    KernelBackendUnavailableError,
     compute_density,
     content_checksum,
     conv_output_shape,
     cpu,
     cuda,
     dequantize_weight,
-    force_backend,
+    force_kernel_backend,
     int8_conv2d,
     int8_linear,
+    kernel_backend_for,
     linear_activation_granularity,
     normalized_mse,
     policy,
@@ -66,7 +66,7 @@ def widths(*backends: str) -> list:
     """(backend, weight bits) cases: 7 bits on every backend, 8 where the backend accumulates exactly."""
     cases = []
     for backend in backends:
-        unavailable = policy.backend_unavailable_reason(backend)
+        unavailable = policy.kernel_backend_unavailable_reason(backend)
         for bits in (7, 8):
             marks = []
             if unavailable:
@@ -132,7 +132,7 @@ def f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def run(backend: str, fn, *args):
     """fn(*args) forced through `backend`, asserting that backend ran it with INT8 arithmetic."""
-    with force_backend(backend), record_calls() as calls:
+    with force_kernel_backend(backend), record_calls() as calls:
         y = fn(*args)
     op = "linear" if fn is int8_linear else "conv2d"
     assert calls == {(op, backend, "int8"): 1}
@@ -158,7 +158,7 @@ def test_weight_width_follows_the_int8_dot_product_instructions(monkeypatch):
     assert weight_qmax(torch.device("cpu")) == (127 if VNNI else 63)
     # the width belongs to the kernels that will run: the exact backends take 8-bit weights on any CPU
     for exact in ("reference", "cuda"):
-        with force_backend(exact):
+        with force_kernel_backend(exact):
             assert weight_bits("cpu") == 8
 
 
@@ -396,7 +396,7 @@ def test_no_silent_saturation_conv(backend, bits):
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the 16-bit pair sums are x86's")
-@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.kernel_backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_8bit_weights_clip_on_the_cpu_backend_exactly_when_it_lacks_vnni():
     """Why 7-bit weights exist: without VNNI/AMX, oneDNN multiplies u8 x s8 with `vpmaddubsw`, whose pairwise
     sums saturate at +-32767, so 255 * 127 * 2 clips; 255 * 63 * 2 does not."""
@@ -426,23 +426,23 @@ def test_int_mm_padding_is_exact(m, k, n):
 
 
 def test_dispatch_table_and_automatic_choice(monkeypatch):
-    assert BACKENDS == ("reference", "cpu", "cuda", "triton")
-    assert tuple(policy.BACKEND_MODULES) == BACKENDS
+    assert KERNEL_BACKENDS == ("reference", "cpu", "cuda", "triton")
+    assert tuple(policy.KERNEL_BACKEND_MODULES) == KERNEL_BACKENDS
     q, s = quantize_weight_per_channel(torch.randn(64, 128), 63)
     for name in ("reference", "cpu", "cuda"):  # the backends that run on CPU tensors without an interpreter
-        y = policy.BACKEND_MODULES[name].linear(torch.randn(40, 128), q, s, None)
+        y = policy.KERNEL_BACKEND_MODULES[name].linear(torch.randn(40, 128), q, s, None)
         assert isinstance(y, torch.Tensor) and y.shape == (40, 64), name  # every backend returns the output
-    for module in policy.BACKEND_MODULES.values():
+    for module in policy.KERNEL_BACKEND_MODULES.values():
         assert callable(module.available) and callable(module.linear) and callable(module.conv2d)
     assert reference.available() is None and cuda.available() is None
-    assert backend_for("cpu") == ("cpu" if cpu.available() is None else "reference")
-    assert backend_for(torch.device("cuda", 0)) == ("triton" if triton_backend.available() is None else "cuda")
-    assert backend_for("meta") == "reference"
+    assert kernel_backend_for("cpu") == ("cpu" if cpu.available() is None else "reference")
+    assert kernel_backend_for(torch.device("cuda", 0)) == ("triton" if triton_backend.available() is None else "cuda")
+    assert kernel_backend_for("meta") == "reference"
 
     monkeypatch.setattr(triton_backend, "available", lambda: "no Triton in this test")
-    assert backend_for("cuda") == "cuda"
+    assert kernel_backend_for("cuda") == "cuda"
     monkeypatch.setattr(cpu, "available", lambda: "no oneDNN in this test")
-    assert backend_for("cpu") == "reference"
+    assert kernel_backend_for("cpu") == "reference"
     _, b, q, s = make_linear(64, 128)
     with record_calls() as calls:
         int8_linear(torch.randn(32, 128), q, s, f32(b))
@@ -451,15 +451,15 @@ def test_dispatch_table_and_automatic_choice(monkeypatch):
 
 def test_forcing_an_unavailable_backend_names_the_reason(monkeypatch):
     monkeypatch.setattr(triton_backend, "available", lambda: "triton is not importable")
-    with pytest.raises(BackendUnavailableError, match="'triton'.*triton is not importable"):
-        with force_backend("triton"):
+    with pytest.raises(KernelBackendUnavailableError, match="'triton'.*triton is not importable"):
+        with force_kernel_backend("triton"):
             pytest.fail("entered a forced backend that cannot run")
-    assert backend_for("cpu") == ("cpu" if cpu.available() is None else "reference")  # nothing left forced
+    assert kernel_backend_for("cpu") == ("cpu" if cpu.available() is None else "reference")  # nothing left forced
     with pytest.raises(ValueError, match="unknown backend"):
-        with force_backend("tpu"):
+        with force_kernel_backend("tpu"):
             pass
-    with force_backend("reference"), force_backend("auto"):
-        assert backend_for("meta") == "reference" and backend_for("cuda") == "cuda"
+    with force_kernel_backend("reference"), force_kernel_backend("auto"):
+        assert kernel_backend_for("meta") == "reference" and kernel_backend_for("cuda") == "cuda"
 
 
 def test_force_backend_and_record_calls_are_thread_local():
@@ -470,18 +470,18 @@ def test_force_backend_and_record_calls_are_thread_local():
     seen: dict = {}
 
     def worker():
-        seen["inherited"] = backend_for("meta")  # main's forced "cuda" must not leak in here
-        with force_backend("reference"), record_calls() as calls:
+        seen["inherited"] = kernel_backend_for("meta")  # main's forced "cuda" must not leak in here
+        with force_kernel_backend("reference"), record_calls() as calls:
             forced_in_thread.set()
             main_checked.wait(10)
             int8_linear(x, q, s, f32(b))
         seen["calls"] = calls
 
-    with force_backend("cuda"), record_calls() as main_calls:
+    with force_kernel_backend("cuda"), record_calls() as main_calls:
         thread = threading.Thread(target=worker)
         thread.start()
         assert forced_in_thread.wait(10)
-        assert backend_for("cpu") == "cuda"  # the worker's "reference" is not seen here
+        assert kernel_backend_for("cpu") == "cuda"  # the worker's "reference" is not seen here
         int8_linear(x, q, s, f32(b))
         main_checked.set()
         thread.join(10)
@@ -490,13 +490,13 @@ def test_force_backend_and_record_calls_are_thread_local():
     assert main_calls == {("linear", "cuda", "int8"): 1}
 
 
-@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.kernel_backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_record_calls_tells_int8_from_float_paths(default_cpu_floors):
     _, b, q, s = make_linear(8, 16)
     _, b_big, q_big, s_big = make_linear(256, 512)
     _, cb, cq, cs = make_conv(32, 4, 3, 3)  # a 4x3x3 reduction: too short for INT8 at any size
     _, cb_big, cq_big, cs_big = make_conv(64, 64, 3, 3)
-    with force_backend("cpu"), record_calls() as outer:
+    with force_kernel_backend("cpu"), record_calls() as outer:
         int8_linear(torch.randn(2, 16), q, s, f32(b))  # 256 MACs
         with record_calls() as inner:
             int8_linear(torch.randn(64, 512), q_big, s_big, f32(b_big))
@@ -514,18 +514,18 @@ def test_record_calls_tells_int8_from_float_paths(default_cpu_floors):
     assert sum(outer.values()) == 5  # calls after the block are not counted
 
 
-@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.kernel_backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_tiny_shapes_take_the_float_path_consistently(default_cpu_floors):
     w, b, q, s = make_linear(8, 16)
     x = torch.randn(2, 16)
-    with force_backend("cpu"), record_calls() as calls:
+    with force_kernel_backend("cpu"), record_calls() as calls:
         y = int8_linear(x, q, s, f32(b))  # 256 MACs: float with the dequantized weight
     assert calls == {("linear", "cpu", "float"): 1}
     assert torch.allclose(y, F.linear(x, dequantize_weight(q, s), f32(b)), atol=1e-6)
     assert relative_l2(y, F.linear(x.double(), w, b)) < GAUSS_BOUND[CPU_BITS]
 
 
-@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.kernel_backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_runs_in_float_answers_for_the_backend_serving_the_device(default_cpu_floors):
     """The size-floor query says beforehand the path a call takes: the one `record_calls` then sees."""
     _, _, q, s = make_linear(8, 16)
@@ -538,7 +538,7 @@ def test_runs_in_float_answers_for_the_backend_serving_the_device(default_cpu_fl
              ("conv2d", torch.randn(1, 64, 32, 32), cq_big, cs_big, {"stride": 4})]  # 64 output pixels: too few
     answers = []
     for op, x, qw, sw, conv_args in calls:
-        with force_backend("cpu"), record_calls() as seen:
+        with force_kernel_backend("cpu"), record_calls() as seen:
             (int8_linear(x, qw, sw, None) if op == "linear" else int8_conv2d(x, qw, sw, None, **conv_args))
         (path,) = {path for (_, _, path) in seen}
         answer = runs_in_float(op, x.shape, qw.shape, "cpu", **conv_args)
@@ -546,19 +546,19 @@ def test_runs_in_float_answers_for_the_backend_serving_the_device(default_cpu_fl
         answers.append(answer)
     assert answers == [True, False, True, False, True]
     for name in ("reference", "cuda"):  # no size floor: every call runs the INT8 arithmetic
-        with force_backend(name):
+        with force_kernel_backend(name):
             assert not any(runs_in_float(op, x.shape, qw.shape, "cpu", **args) for op, x, qw, _, args in calls)
     with pytest.raises(ValueError, match="'linear' or 'conv2d'"):
         runs_in_float("conv", (1, 4, 8, 8), (8, 4, 3, 3), "cpu")
 
 
-@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.kernel_backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_prepacked_weights_are_cached_once_and_released():
     _, b, q, s = make_linear(256, 512, seed=9)
     x = torch.randn(64, 512)
     gc.collect()  # entries of earlier tests' dead weights would otherwise go during this one
     before = len(CACHE)
-    with force_backend("cpu"):
+    with force_kernel_backend("cpu"):
         y1 = int8_linear(x, q, s, f32(b))
         after_first = len(CACHE)
         y2 = int8_linear(x, q, s, f32(b))
@@ -683,18 +683,18 @@ def test_compile_fullgraph_matches_eager():
     net = _TinyInt8Net()
     x = torch.randn(2, 32, 16, 16)  # large enough for the INT8 kernels, not the float fallback
     eager = net(x)
-    with force_backend("reference"):
+    with force_kernel_backend("reference"):
         assert normalized_mse(eager, net(x)) < 1e-7
     compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
     assert torch.allclose(compiled(x), eager, atol=1e-5)
     compiled_inductor = torch.compile(net, fullgraph=True)
     with record_calls() as calls:
         assert torch.allclose(compiled_inductor(x), eager, atol=1e-5)
-    auto = backend_for("cpu")
+    auto = kernel_backend_for("cpu")
     assert calls == {("conv2d", auto, "int8"): 1, ("linear", auto, "int8"): 1}  # the ops ran, in INT8
 
 
-@pytest.mark.skipif(policy.backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
+@pytest.mark.skipif(policy.kernel_backend_unavailable_reason("cpu") is not None, reason="the cpu backend is unavailable")
 def test_compiled_quantizers_on_large_inputs_match_reference():
     """Inputs above half a million elements go through the torch.compile'd quantizers."""
     w, b, q, s = make_linear(128, 320, seed=11)

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from comfyui_int8_accel.kernels import cuda as cuda_backend
 from comfyui_int8_accel.kernels import (
-    force_backend,
+    force_kernel_backend,
     int8_conv2d,
     int8_linear,
     normalized_mse,
@@ -43,7 +43,7 @@ def weights(shape, bits: int, seed: int = 0):
 def assert_exact(y: torch.Tensor, exact_fn, *args) -> None:
     """y is exactly `exact_fn(*args)`. One allowance: Triton's interpreter rounds float32 to bfloat16 its own way
     (not to nearest even, as the GPU does), so there a triton result may sit one bfloat16 step off."""
-    if y.dtype == torch.bfloat16 and ops.backend_for(y.device) == "triton":
+    if y.dtype == torch.bfloat16 and ops.kernel_backend_for(y.device) == "triton":
         exact32 = exact_fn(*args, out_dtype=torch.float32)
         step = exact32.abs() * 2.0**-7 + 1e-30
         assert bool(((y.float() - exact32).abs() <= step).all())
@@ -61,7 +61,7 @@ def test_linear_is_exactly_its_definition(backend, x_shape, n, bias, dtype, bits
     x = (torch.randn(*x_shape) * 3).to(dtype)
     y = run_on_backend(backend, int8_linear, x, q, s, b)
     assert y.dtype == dtype
-    with force_backend(backend):
+    with force_kernel_backend(backend):
         assert_exact(y, exact_linear, x, q, s, b)
     assert normalized_mse(y, run_on_backend("reference", int8_linear, x, q, s, b)) < (1e-12 if dtype == torch.float32 else 1e-4)
 
@@ -82,7 +82,7 @@ def test_conv_is_exactly_its_definition(backend, x_shape, cout, kernel, stride, 
     args = (x, q, s, b, [stride] * 2, [padding] * 2, [dilation] * 2, groups)
     y = run_on_backend(backend, int8_conv2d, *args)
     assert y.dtype == dtype and y.is_contiguous()
-    with force_backend(backend):  # borders included: padding is the zero point, removed exactly
+    with force_kernel_backend(backend):  # borders included: padding is the zero point, removed exactly
         assert_exact(y, exact_conv, *args)
     assert normalized_mse(y, run_on_backend("reference", int8_conv2d, *args)) < (1e-12 if dtype == torch.float32 else 1e-4)
 
@@ -196,7 +196,7 @@ def test_a_call_reads_nothing_on_the_host(backend, dtype, off_cpu_cache):
     q, s, b = weights((36, 100), 8, seed=7)
     cq, cs, cb = weights((24, 4, 3, 3), 8, seed=8)
     x, cx = torch.randn(2, 17, 100).to(dtype), (torch.randn(1, 4, 10, 10) + 0.5).to(dtype)
-    with force_backend(backend):
+    with force_kernel_backend(backend):
         ops._linear_impl(x, q, s, b)  # warm the cache: its first build may do anything
         ops._conv2d_impl(cx, cq, cs, cb, [1, 1], [1, 1], [1, 1], 1)
         with HostReads() as mode:  # the op bodies: inside torch.ops.int8_accel.* a mode sees only the op itself

@@ -22,11 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("triton")
 
 from comfyui_int8_accel.kernels import (  # noqa: E402
-    BackendUnavailableError,
-    backend_for,
-    force_backend,
+    KernelBackendUnavailableError,
+    force_kernel_backend,
     int8_conv2d,
     int8_linear,
+    kernel_backend_for,
     normalized_mse,
     quant,
     quantize_weight_per_channel,
@@ -76,7 +76,7 @@ def by_backend(fn, *args) -> dict:
     op = "linear" if fn is int8_linear else "conv2d"
     outs = {}
     for backend in ("triton", "cuda", "reference"):
-        with force_backend(backend), record_calls() as calls:
+        with force_kernel_backend(backend), record_calls() as calls:
             outs[backend] = fn(*args)
         assert calls == {(op, backend, "int8"): 1}
     return outs
@@ -180,7 +180,7 @@ def test_conv_activation_quantization_is_two_launches_reading_x_once_each(tk, mo
         return autotuned_run(self, *args, **kwargs)
 
     monkeypatch.setattr(Autotuner, "run", counting_run)
-    with force_backend("triton"), record_calls() as calls:
+    with force_kernel_backend("triton"), record_calls() as calls:
         y = int8_conv2d(x, q, s, b, 1, 1)
     assert calls == {("conv2d", "triton", "int8"): 1}
     assert launches == ["_affine_range_kernel", "_quantize_affine_kernel", "_conv2d_int8_kernel"]
@@ -231,11 +231,11 @@ def test_conv_triton_equals_cuda_backend(tk, x_shape, cout, kernel, stride, padd
 
 
 def test_cuda_tensors_go_to_triton_or_to_cuda_without_it(tk, monkeypatch):
-    assert backend_for("cuda") == "triton"
+    assert kernel_backend_for("cuda") == "triton"
     monkeypatch.setattr(tk, "AVAILABLE", False)
-    assert backend_for("cuda") == "cuda"
-    with pytest.raises(BackendUnavailableError, match="triton is not importable"):
-        with force_backend("triton"):
+    assert kernel_backend_for("cuda") == "cuda"
+    with pytest.raises(KernelBackendUnavailableError, match="triton is not importable"):
+        with force_kernel_backend("triton"):
             pass
 
 
@@ -255,20 +255,20 @@ def test_package_imports_and_runs_without_triton():
         spec.loader.exec_module(pack)
         import torch
         from int8_pack_without_triton.kernels import (
-            BackendUnavailableError, backend_for, force_backend, int8_linear, quantize_weight_per_channel,
+            KernelBackendUnavailableError, kernel_backend_for, force_kernel_backend, int8_linear, quantize_weight_per_channel,
             record_calls,
         )
         from int8_pack_without_triton.kernels import triton_kernels
         assert not triton_kernels.AVAILABLE
         assert "comfy" not in sys.modules  # the kernels do not import ComfyUI
-        assert backend_for("cuda") == "cuda", backend_for("cuda")
+        assert kernel_backend_for("cuda") == "cuda", kernel_backend_for("cuda")
         try:
-            with force_backend("triton"):
+            with force_kernel_backend("triton"):
                 raise SystemExit("forced an unavailable backend")
-        except BackendUnavailableError as exc:
+        except KernelBackendUnavailableError as exc:
             assert "triton is not importable" in str(exc), exc
         q, s = quantize_weight_per_channel(torch.randn(32, 64), 127)
-        with force_backend("cuda"), record_calls() as calls:
+        with force_kernel_backend("cuda"), record_calls() as calls:
             y = int8_linear(torch.randn(20, 64), q, s, None)
         assert dict(calls) == {{("linear", "cuda", "int8"): 1}}, calls
         print("ok", tuple(y.shape))

@@ -34,7 +34,7 @@ def test_onednn_conv_under_its_older_name(monkeypatch):
     assert cpu._qconv_op() is older.qconv2d_pointwise and cpu.available() is None
     del older.qconv2d_pointwise
     assert "torch.ops.onednn.qconv_pointwise" in cpu.available()
-    assert ops.backend_for("cpu") == "reference"  # and the node declines INT8 on the reference backend
+    assert ops.kernel_backend_for("cpu") == "reference"  # and the node declines INT8 on the reference backend
 
 
 def test_a_triton_without_div_rn_leaves_cuda_tensors_to_the_cuda_backend(monkeypatch):
@@ -43,7 +43,7 @@ def test_a_triton_without_div_rn_leaves_cuda_tensors_to_the_cuda_backend(monkeyp
         pytest.skip("triton is not importable")
     monkeypatch.setattr(kernels, "TOO_OLD", "this Triton (2.3) has no tl.math.div_rn: Triton 3.0 or newer is needed")
     assert "Triton 3.0" in triton_backend.available()
-    assert ops.backend_for("cuda") == "cuda"
+    assert ops.kernel_backend_for("cuda") == "cuda"
 
 
 def test_the_loader_calls_comfyui_with_only_the_arguments_it_takes(pack, monkeypatch):

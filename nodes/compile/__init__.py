@@ -21,8 +21,8 @@ import logging
 import torch
 
 from .attention import install_sdpa_override
-from .backends import available_backends, backend_problem, ensure_persistent_cache
 from .blocks import make_blocks_wrapper
+from .compile_backends import available_compile_backends, compile_backend_problem, ensure_persistent_cache
 from .prepack import prepacking_supported
 from .regions import compiled_regions, register_compile_callbacks
 from .settings import DYNAMIC_CHOICES, MODE_CHOICES, STRATEGY_CHOICES, STRATEGY_ENV, CompileSettings, resolve_strategy
@@ -33,7 +33,7 @@ log = logging.getLogger("int8_accel.compile")
 WRAPPER_KEY = "int8_accel_compile"
 
 __all__ = ["DYNAMIC_CHOICES", "MODE_CHOICES", "STRATEGY_CHOICES", "STRATEGY_ENV", "CompileSettings",
-           "available_backends", "compile_model", "resolve_strategy"]
+           "available_compile_backends", "compile_model", "resolve_strategy"]
 
 
 def compile_model(model, settings: CompileSettings, *, strategy: str | None = None, regions: bool = True,
@@ -50,7 +50,7 @@ def compile_model(model, settings: CompileSettings, *, strategy: str | None = No
     register_compile_callbacks()
     device = torch.device(getattr(model, "load_device", None) or comfy.model_management.get_torch_device())
     chosen = resolve_strategy(device, strategy)
-    problem = backend_problem(settings.backend, device)
+    problem = compile_backend_problem(settings.backend, device)
     if problem is not None:
         log.warning("int8-accel compile: %s; running eagerly instead (the prompt still runs).", problem)
     elif settings.backend == "inductor":

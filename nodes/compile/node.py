@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..node_schema import pack_schema, widget_problem
-from . import DYNAMIC_CHOICES, MODE_CHOICES, CompileSettings, available_backends, compile_model
+from . import DYNAMIC_CHOICES, MODE_CHOICES, CompileSettings, available_compile_backends, compile_model
 from .page_status import show_runs_on_node
 
 
@@ -23,7 +23,7 @@ class Int8AccelCompile(io.ComfyNode):
                 "the choice. The node says when it is compiling and, after each run, how long it took."),
             inputs=[
                 io.Model.Input("model", tooltip="The model to compile (it is cloned, never changed)."),
-                io.Combo.Input("backend", options=available_backends(), default="inductor", tooltip=(
+                io.Combo.Input("backend", options=available_compile_backends(), default="inductor", tooltip=(
                     "torch.compile backend. inductor generates fused kernels (needs a C++ compiler on CPU, "
                     "Triton on GPU); aot_eager/eager only trace, for debugging.")),
                 io.Combo.Input("mode", options=MODE_CHOICES, default="default", tooltip=(

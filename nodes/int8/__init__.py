@@ -8,7 +8,7 @@ import logging
 import comfy.patcher_extension
 import torch
 
-from ...kernels import backend_for, forced_backend
+from ...kernels import forced_kernel_backend, kernel_backend_for
 from .core_layers import core_layers_left
 from .plan import WRAPPER_KEY, Int8Plan, find_candidates, unwrap_compiled
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
@@ -30,7 +30,7 @@ def apply_int8(model, settings: QuantizeSettings, node_id: str | None = None):
         log.warning("int8-accel: %s has no diffusion model to quantize; passing it through unchanged", name)
         return model, f"Unsupported model type ({name}): it has no diffusion model, so it passes through unchanged."
     device = torch.device(getattr(model, "load_device", None) or "cpu")
-    if backend_for(device) == "reference" and not forced_backend():
+    if kernel_backend_for(device) == "reference" and not forced_kernel_backend():
         why = (f"INT8 declined: no fast INT8 kernel for {device.type} here (only the reference path, which is "
                f"slower than float); the model is returned unchanged.")
         log.warning("int8-accel: %s", why)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ...kernels import backend_for, content_checksum, weight_bits
+from ...kernels import content_checksum, kernel_backend_for, weight_bits
 from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
 
@@ -186,5 +186,5 @@ def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tenso
     INT8 layers (device, backend, weight width) and whether the speed gate decided: a decision measured on one
     is not reused on another."""
     text = json.dumps([CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
-                       x.device.type, backend_for(x.device), weight_bits(x.device), speed_gate_enabled()])
+                       x.device.type, kernel_backend_for(x.device), weight_bits(x.device), speed_gate_enabled()])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -25,8 +25,8 @@ import comfy.utils
 import torch
 
 from ...kernels import (
-    backend_for,
     compute_density,
+    kernel_backend_for,
     normalized_mse,
     record_calls,
     release_packed_weight,
@@ -389,7 +389,7 @@ class Int8Plan:
                 handle.remove()
 
         layers = [measurements[name] for name in candidates if name in measurements]
-        result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers, backend=backend_for(args[0].device),
+        result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers, backend=kernel_backend_for(args[0].device),
                                    left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device))
         chosen = set(result.chosen)
         self._modules = {name: module for name, module in self._modules.items() if name in chosen}

@@ -24,7 +24,7 @@ if os.environ.get("INT8_ACCEL_TESTS_ON_GPU") != "1":
 
 from comfyui_int8_accel.kernels import cuda as cuda_backend  # noqa: E402
 from comfyui_int8_accel.kernels import (  # noqa: E402
-    force_backend,
+    force_kernel_backend,
     int8_conv2d,
     int8_linear,
     ops,
@@ -37,8 +37,8 @@ from tests.support.int8_exact import run_on_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
-TRITON = ops.backend_unavailable_reason("triton")
-BACKENDS = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}"))]
+TRITON = ops.kernel_backend_unavailable_reason("triton")
+KERNEL_BACKENDS = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}"))]
 HALF = [torch.float16, torch.bfloat16]
 QMAX = {8: 127, 7: 63}
 
@@ -112,7 +112,7 @@ def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("x_shape,n", [((2, 77, 768), 320), ((2, 4096, 320), 1280), ((1, 4096, 3072), 3072),
                                        ((16, 100), 36), ((1, 5, 64), 64)])  # fmt: skip
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_linear_matches_its_definition(backend, x_shape, n, dtype, bits):
     q, s, b = weights((n, x_shape[-1]), bits)
     x = lossless_rows(x_shape, dtype)
@@ -132,7 +132,7 @@ def test_linear_matches_its_definition(backend, x_shape, n, dtype, bits):
     [((2, 320, 32, 32), 320, 3, 1, 1, 1), ((2, 4, 32, 32), 320, 3, 1, 1, 1), ((1, 640, 16, 16), 640, 3, 2, 1, 1),
      ((2, 1280, 8, 8), 1280, 1, 1, 0, 1), ((1, 64, 20, 20), 64, 3, 1, 1, 4)],
 )  # fmt: skip
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_conv_matches_its_definition(backend, x_shape, cout, kernel, stride, padding, groups, dtype, bits):
     q, s, b = weights((cout, x_shape[1] // groups, kernel, kernel), bits)
     x = lossless_image(x_shape, dtype)
@@ -177,7 +177,7 @@ def test_triton_conv_input_quantizer_equals_the_torch_formula(case, dtype):
 # ---- weight cache ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_weights_are_prepared_once_per_version(backend):
     q, s, b = weights((36, 100), seed=1)  # not multiples of 8: padded rows
     cq, cs, cb = weights((320, 4, 3, 3), seed=2)  # the 4-channel input conv: K = 36
@@ -219,11 +219,11 @@ def _block(int8_modules, dtype, seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_int8_layers_never_sync_with_the_host(backend, dtype, int8_modules):
     _, _, forward = _block(int8_modules, dtype)
     x = torch.randn(2, 4, 24, 24, device=DEVICE, dtype=dtype)
-    with force_backend(backend), record_calls() as calls:
+    with force_kernel_backend(backend), record_calls() as calls:
         forward(x)  # warm-up: Triton compiles, the weight cache builds
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -235,11 +235,11 @@ def test_int8_layers_never_sync_with_the_host(backend, dtype, int8_modules):
     assert calls == {("conv2d", backend, "int8"): 2, ("linear", backend, "int8"): 2}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_a_quantized_block_is_captured_in_a_cuda_graph(backend, int8_modules):
     conv, _, forward = _block(int8_modules, torch.float16, seed=1)
     static_x = torch.randn(2, 4, 24, 24, device=DEVICE, dtype=torch.float16)
-    with force_backend(backend):
+    with force_kernel_backend(backend):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

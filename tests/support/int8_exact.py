@@ -8,9 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from comfyui_int8_accel.kernels import backend_unavailable_reason, force_backend, int8_linear, quant, record_calls
+from comfyui_int8_accel.kernels import (
+    force_kernel_backend,
+    int8_linear,
+    kernel_backend_unavailable_reason,
+    quant,
+    record_calls,
+)
 
-_TRITON_UNAVAILABLE = backend_unavailable_reason("triton")
+_TRITON_UNAVAILABLE = kernel_backend_unavailable_reason("triton")
 # The backends of the CUDA path, parametrized (triton skipped, with the reason, where it cannot run).
 GPU_PATH = ["cuda", pytest.param("triton", marks=pytest.mark.skipif(_TRITON_UNAVAILABLE is not None,
                                                                    reason=f"triton: {_TRITON_UNAVAILABLE}"))]
@@ -42,7 +48,7 @@ def exact_conv(x, q_weight, w_scale, bias, stride, padding, dilation, groups, ou
 def run_on_backend(backend: str, fn, *args):
     """`fn` (int8_linear or int8_conv2d) on one backend, checking that it ran that backend's INT8 kernel once."""
     op = "linear" if fn is int8_linear else "conv2d"
-    with force_backend(backend), record_calls() as calls:
+    with force_kernel_backend(backend), record_calls() as calls:
         y = fn(*args)
     assert calls == {(op, backend, "int8"): 1}
     return y

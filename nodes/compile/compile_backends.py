@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 
-def available_backends() -> list[str]:
+def available_compile_backends() -> list[str]:
     """Backends offered by the node: inductor first, then the installed ones that make sense here."""
     import torch._dynamo
 
@@ -26,7 +26,7 @@ def available_backends() -> list[str]:
     return names
 
 
-def backend_problem(backend: str, device: torch.device) -> str | None:
+def compile_backend_problem(backend: str, device: torch.device) -> str | None:
     """Why `backend` cannot compile on `device` here, or None when it should work."""
     import torch._dynamo
 
