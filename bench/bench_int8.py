@@ -158,8 +158,8 @@ def write_density_table(result, size: int) -> None:
                      f"{float_ms / int8_ms:.2f}x"])
     notes = [
         f"{datetime.date.today()}; {cpu_line()}.",
-        f"backend {result.backend}; full-size SD1.5 architecture, {size}x{size} (UNet batch 2), every eligible "
-        f"layer timed by calibration's speed gate (median of 3 calls, float vs INT8, on the real input).",
+        f"kernel backend {result.kernel_backend}; full-size SD1.5 architecture, {size}x{size} (UNet batch 2), every "
+        f"eligible layer timed by calibration's speed gate (median of 3 calls, float vs INT8, on the real input).",
         "density = M*K*N / (M*K + K*N + M*N) of the layer's call; ms = sum over the bucket's layers.",
     ]
     write_table(result_name("int8_speed_gate"), "Where INT8 wins: speed-gate timings by compute density (CPU)",

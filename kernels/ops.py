@@ -41,7 +41,7 @@ _local = _Recorders()
 
 @contextlib.contextmanager
 def record_calls() -> Iterator[Counter]:
-    """Count the INT8 op calls made in this thread while inside, keyed by (op, backend, path).
+    """Count the INT8 op calls made in this thread while inside, keyed by (op, kernel backend, path).
 
     op is "linear" or "conv2d"; path is "int8" when the W8A8 arithmetic ran, "float" when the backend ran the
     call in float with the dequantized weight (the cpu backend does for shapes too small to pay) or there was
@@ -55,14 +55,14 @@ def record_calls() -> Iterator[Counter]:
         _local.recorders.remove(counter)
 
 
-def _record(op: str, backend: str, path: str) -> None:
+def _record(op: str, kernel_backend: str, path: str) -> None:
     for counter in _local.recorders:
-        counter[(op, backend, path)] += 1
+        counter[(op, kernel_backend, path)] += 1
 
 
-def _kernel_backend_runs_in_float(backend: str, op: str, x_shape: Sequence[int], weight_shape: Sequence[int],
-                           stride: list[int], padding: list[int], dilation: list[int]) -> bool:
-    module = KERNEL_BACKEND_MODULES[backend]
+def _kernel_backend_runs_in_float(kernel_backend: str, op: str, x_shape: Sequence[int], weight_shape: Sequence[int],
+                                  stride: list[int], padding: list[int], dilation: list[int]) -> bool:
+    module = KERNEL_BACKEND_MODULES[kernel_backend]
     if op == "linear":
         query = getattr(module, "linear_runs_in_float", None)
         return query is not None and query(x_shape, weight_shape)
@@ -78,33 +78,35 @@ def runs_in_float(op: str, x_shape: Sequence[int], weight_shape: Sequence[int], 
     the others have none); False when it runs the INT8 arithmetic."""
     if op not in ("linear", "conv2d"):
         raise ValueError(f"op must be 'linear' or 'conv2d', got {op!r}")
-    return _kernel_backend_runs_in_float(kernel_backend_for(device), op, tuple(x_shape), tuple(weight_shape), pair(stride),
-                                  pair(padding), pair(dilation))
+    return _kernel_backend_runs_in_float(kernel_backend_for(device), op, tuple(x_shape), tuple(weight_shape),
+                                         pair(stride), pair(padding), pair(dilation))
 
 
 def _linear_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    backend = kernel_backend_for(x.device)
+    kernel_backend = kernel_backend_for(x.device)
     if x.numel() == 0:
         y, path = x.new_zeros(*x.shape[:-1], q_weight.shape[0]), "float"
     else:
-        in_float = _kernel_backend_runs_in_float(backend, "linear", x.shape, q_weight.shape, [], [], [])
+        in_float = _kernel_backend_runs_in_float(kernel_backend, "linear", x.shape, q_weight.shape, [], [], [])
         path = "float" if in_float else "int8"
-        y = KERNEL_BACKEND_MODULES[backend].linear(x, q_weight, w_scale, bias)
-    _record("linear", backend, path)
+        y = KERNEL_BACKEND_MODULES[kernel_backend].linear(x, q_weight, w_scale, bias)
+    _record("linear", kernel_backend, path)
     return y
 
 
 def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                  stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
-    backend = kernel_backend_for(x.device)
+    kernel_backend = kernel_backend_for(x.device)
     stride, padding, dilation = list(stride), list(padding), list(dilation)
     if x.numel() == 0:
         y, path = x.new_zeros(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation)), "float"
     else:
-        in_float = _kernel_backend_runs_in_float(backend, "conv2d", x.shape, q_weight.shape, stride, padding, dilation)
+        in_float = _kernel_backend_runs_in_float(kernel_backend, "conv2d", x.shape, q_weight.shape, stride, padding,
+                                                 dilation)
         path = "float" if in_float else "int8"
-        y = KERNEL_BACKEND_MODULES[backend].conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)
-    _record("conv2d", backend, path)
+        y = KERNEL_BACKEND_MODULES[kernel_backend].conv2d(x, q_weight, w_scale, bias, stride, padding, dilation,
+                                                          groups)
+    _record("conv2d", kernel_backend, path)
     return y
 
 

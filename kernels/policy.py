@@ -36,7 +36,7 @@ _local = _ForcedKernelBackend()
 def kernel_backend_unavailable_reason(name: str) -> str | None:
     """None when backend `name` can run here, else the reason it cannot."""
     if name not in KERNEL_BACKEND_MODULES:
-        raise ValueError(f"unknown backend {name!r}; expected one of {(AUTO, *KERNEL_BACKENDS)}")
+        raise ValueError(f"unknown kernel backend {name!r}; expected one of {(AUTO, *KERNEL_BACKENDS)}")
     return KERNEL_BACKEND_MODULES[name].available()
 
 
@@ -50,7 +50,7 @@ def force_kernel_backend(name: str) -> Iterator[None]:
     if name != AUTO:
         reason = kernel_backend_unavailable_reason(name)
         if reason is not None:
-            raise KernelBackendUnavailableError(f"INT8 backend {name!r} is unavailable: {reason}")
+            raise KernelBackendUnavailableError(f"INT8 kernel backend {name!r} is unavailable: {reason}")
     previous = _local.forced
     _local.forced = name
     try:

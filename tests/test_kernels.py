@@ -455,7 +455,7 @@ def test_forcing_an_unavailable_backend_names_the_reason(monkeypatch):
         with force_kernel_backend("triton"):
             pytest.fail("entered a forced backend that cannot run")
     assert kernel_backend_for("cpu") == ("cpu" if cpu.available() is None else "reference")  # nothing left forced
-    with pytest.raises(ValueError, match="unknown backend"):
+    with pytest.raises(ValueError, match="unknown kernel backend"):
         with force_kernel_backend("tpu"):
             pass
     with force_kernel_backend("reference"), force_kernel_backend("auto"):

@@ -4,13 +4,13 @@ real modules, LoRA keeps working and the shared base model is never changed. Two
 (`INT8_ACCEL_COMPILE_STRATEGY`, see settings.py):
 
 * "blocks" (the default on every device but the CPU; blocks.py): the diffusion model's repeated blocks, one
-  compiled region per block class with the chosen backend, mode and dynamic-shape policy;
+  compiled region per block class with the chosen compile backend, mode and dynamic-shape policy;
 * "cpu-pieces" (the default on the CPU): the pieces measured faster there: oneDNN-prepacked fp32 Conv2d/Linear
   weights (prepack.py), PyTorch's fused SDPA attention for large inputs (attention.py) and the compiled GEGLU
   gate of every transformer feed-forward (regions.py). Wrapping the whole UNet in torch.compile loses to eager
   on a CPU (the time goes into convolutions and GEMMs Inductor hands to the same kernels).
 
-Weights are graph inputs in both, so a LoRA or strength change never recompiles. A missing backend or compiler
+Weights are graph inputs in both, so a LoRA or strength change never recompiles. A missing compile backend or compiler
 degrades to eager with a warning, never a failed prompt.
 """
 

@@ -26,13 +26,13 @@ def available_compile_backends() -> list[str]:
     return names
 
 
-def compile_backend_problem(backend: str, device: torch.device) -> str | None:
-    """Why `backend` cannot compile on `device` here, or None when it should work."""
+def compile_backend_problem(compile_backend: str, device: torch.device) -> str | None:
+    """Why `compile_backend` cannot compile on `device` here, or None when it should work."""
     import torch._dynamo
 
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        return f"torch.compile backend {backend!r} is not available in this PyTorch"
-    if backend == "inductor":
+    if compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        return f"torch.compile backend {compile_backend!r} is not available in this PyTorch"
+    if compile_backend == "inductor":
         if device.type == "cpu":
             from torch._inductor import codecache, cpp_builder
 
@@ -49,12 +49,12 @@ def compile_backend_problem(backend: str, device: torch.device) -> str | None:
 
             if not has_triton():
                 return f"Inductor needs Triton on {device.type} and it is not installed"
-    if backend == "tvm":
+    if compile_backend == "tvm":
         import importlib.util
 
         if importlib.util.find_spec("tvm") is None:
             return "the tvm backend needs Apache TVM, which is not installed"
-    if backend == "cudagraphs" and device.type != "cuda":
+    if compile_backend == "cudagraphs" and device.type != "cuda":
         return "the cudagraphs backend needs a CUDA device"
     return None
 

@@ -70,7 +70,7 @@ class CalibrationResult:
     model_error: float | None = None
     int8_flop_fraction: float = 0.0
     seconds: float = 0.0
-    backend: str = ""
+    kernel_backend: str = ""  # the kernel backend that ran the INT8 layers
     kernel_calls: dict[str, int] = field(default_factory=dict)  # INT8 op calls of the checking step, by path
     memory: dict[str, int] = field(default_factory=dict)  # model_float_bytes, int8_bytes, calibration_peak_int8_bytes
     left_to_core: dict[str, str] = field(default_factory=dict)  # core-quantized layers in formats INT8 cannot take
@@ -96,7 +96,8 @@ class CalibrationResult:
         layers = [LayerMeasurement(**row) for row in data["layers"]]
         return cls(key=data["key"], shape=data["shape"], layers=layers, model_error=data.get("model_error"),
                    int8_flop_fraction=data.get("int8_flop_fraction", 0.0), seconds=data.get("seconds", 0.0),
-                   backend=data.get("backend", ""), kernel_calls=data.get("kernel_calls", {}),
+                   kernel_backend=data.get("kernel_backend", data.get("backend", "")),  # "backend" before the rename
+                   kernel_calls=data.get("kernel_calls", {}),
                    memory=data.get("memory", {}), left_to_core=data.get("left_to_core", {}),
                    created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0))
 
@@ -183,8 +184,8 @@ def model_fingerprint(patcher, weight_keys: list[str]) -> str:
 
 def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tensor) -> str:
     """Key of a decision: the weights and patches, the settings, the latent's size and dtype, and what runs the
-    INT8 layers (device, backend, weight width) and whether the speed gate decided: a decision measured on one
-    is not reused on another."""
+    INT8 layers (device, kernel backend, weight width) and whether the speed gate decided: a decision measured on
+    one is not reused on another."""
     text = json.dumps([CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
                        x.device.type, kernel_backend_for(x.device), weight_bits(x.device), speed_gate_enabled()])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -225,8 +225,8 @@ class Int8Plan:
         return layer
 
     def _copy_for_device(self, float_module: torch.nn.Module, kind: str, device: torch.device) -> torch.nn.Module:
-        """The INT8 copy of a float layer, with the weight width of the backend that computes on `device`, kept on
-        `device` even when ComfyUI keeps the float layer offloaded: derived forms (padded rows, column sums) are
+        """The INT8 copy of a float layer, with the weight width of the kernel backend that computes on `device`, kept
+        on `device` even when ComfyUI keeps the float layer offloaded: derived forms (padded rows, column sums) are
         then built once, for a copy that stays, instead of per call from a temporary transfer."""
         layer = self._quantize_layer(float_module, kind, weight_qmax(device))
         if not is_on(layer.weight, device):
@@ -389,7 +389,8 @@ class Int8Plan:
                 handle.remove()
 
         layers = [measurements[name] for name in candidates if name in measurements]
-        result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers, backend=kernel_backend_for(args[0].device),
+        result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers,
+                                   kernel_backend=kernel_backend_for(args[0].device),
                                    left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device))
         chosen = set(result.chosen)
         self._modules = {name: module for name, module in self._modules.items() if name in chosen}

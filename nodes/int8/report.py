@@ -37,7 +37,7 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
     if result.memory:
         parts.append(f"memory +{result.memory.get('int8_bytes', 0) / MIB:.1f} MiB")
     bits = f", {result.weight_bits}-bit weights" if result.weight_bits else ""
-    parts.append(f"{result.backend or 'unknown'} backend{bits}")
+    parts.append(f"{result.kernel_backend or 'unknown'} kernel backend{bits}")
     parts.append("from the calibration cache" if from_cache else f"calibrated now ({result.seconds:.1f} s)")
     return " · ".join(parts)
 
@@ -59,7 +59,8 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         kept_float, kept_int8 = sum(layer.float_ms for layer in kept), sum(layer.int8_ms for layer in kept)
         speedup = int8_layer_speedup(result)
         paragraphs.append(
-            f"speed gate: {len(timed)} layers timed on {result.backend or 'this device'}, {slower} stay float as "
+            f"speed gate: {len(timed)} layers timed on {result.kernel_backend or 'this device'}, {slower} stay float "
+            f"as "
             f"slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of {kept_float:.1f} ms in float "
             f"({'-' if speedup is None else f'{speedup:.2f}x'})")
     if result.memory:
@@ -71,7 +72,8 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
             f"{mib['calibration_peak_int8_bytes']:.1f} MiB of INT8 copies (one layer at a time)")
     if result.kernel_calls:
         paragraphs.append(
-            f"kernels: {result.backend} backend; in the checking step {result.kernel_calls.get('int8', 0)} INT8 "
+            f"kernels: {result.kernel_backend} kernel backend; in the checking step "
+            f"{result.kernel_calls.get('int8', 0)} INT8 "
             f"layer calls ran the INT8 kernels and {result.kernel_calls.get('float', 0)} ran in float with the "
             f"INT8-rounded weights (shapes too small for INT8 to pay on this device)")
     core_line = _core_formats_line(result)
@@ -104,7 +106,8 @@ def _details_line(result: CalibrationResult, settings: QuantizeSettings) -> str:
     timed = any(layer.int8_ms is not None for layer in result.layers)
     return (f"INT8 calibration on latent {result.shape} ({result.seconds:.1f} s). A layer runs in INT8 when its "
             f"kind is enabled (gate 'kind'), its compute density is at least {settings.compute_density_threshold} "
-            f"('density'), the {result.backend or 'kernel'} backend computes its call at this latent size in INT8, "
+            f"('density'), the kernel backend ({result.kernel_backend or 'unknown'}) computes its call at this latent "
+            f"size in INT8, "
             f"not in float below its size floor ('kernel size floor'), its norm. MSE = mean((y_int8 - y)^2) / "
             f"mean(y^2) is at most "
             f"{settings.conv_mse_threshold:g} (conv) / {settings.linear_mse_threshold:g} (linear) ('error')"
