@@ -1,4 +1,4 @@
-# ruff: noqa: F811 (the fixtures imported from test_deepcache_dits are test arguments here)
+# ruff: noqa: F811 (the fixtures imported from the support module are test arguments here)
 """DeepCache against ComfyUI 0.38's block contracts, each swapped alone into the real 0.3.75 model class it
 changes (0.3.75's own forward is the control):
 
@@ -14,8 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.deepcache_tests import (  # noqa: F401 (fixtures: test arguments here)
+    deepcache,
+    held_sigmas,
+    one_thread,
+    rel,
+)
 from tests.support.tiny_models import build_tiny_model, sample
-from tests.test_deepcache_dits import _held_sigmas, _rel, deepcache, one_thread  # noqa: F401 (fixtures shared with that module)
 
 
 # --- Lumina 2: 0.38's post-block hooks --------------------------------------------------------------------
@@ -101,7 +106,7 @@ def test_lumina_post_block_hooks_run_only_on_the_blocks_that_run(deepcache, lumi
         recorder.calls.clear()
         plain = sample(hooked, "lumina2", steps=6)
         assert recorder.calls == [list(range(layers))] * 6
-        assert _rel(plain, control) > 1e-3  # the hooks change the output
+        assert rel(plain, control) > 1e-3  # the hooks change the output
         for mode in ("reuse", "forecast"):
             assert torch.equal(sample(deepcache.apply_deepcache(hooked, 1, 1, mode=mode), "lumina2", steps=6), plain)
             recorder.calls.clear()
@@ -112,9 +117,9 @@ def test_lumina_post_block_hooks_run_only_on_the_blocks_that_run(deepcache, lumi
         # held sigmas: a cached step sees the full step's input and must give its result; a hook of the segment's
         # last layer counted in the residual and run again, or one of a skipped layer writing into the
         # passed-through tokens, would be far off
-        sigmas = _held_sigmas(model)
+        sigmas = held_sigmas(model)
         held = sample(hooked, "lumina2", sigmas=sigmas, batch=2)
-        assert _rel(sample(deepcache.apply_deepcache(hooked, 3, 1), "lumina2", sigmas=sigmas, batch=2), held) < 2e-6
+        assert rel(sample(deepcache.apply_deepcache(hooked, 3, 1), "lumina2", sigmas=sigmas, batch=2), held) < 2e-6
     finally:
         handle.remove()
 
@@ -205,9 +210,9 @@ def test_ltx2_tuple_stream_interval_one_is_bit_identical(deepcache, ltx2):
 def test_ltx2_tuple_stream_caches_video_and_audio(deepcache, ltx2):
     """Held sigmas: the cached steps must give the full step's result, which needs the residual of both parts
     of the (video, audio) tuple (the audio part alone moves the first tokens of the output)."""
-    sigmas = _held_sigmas(ltx2)
+    sigmas = held_sigmas(ltx2)
     plain = sample(ltx2, "ltxv", sigmas=sigmas, batch=2)
     cached = sample(deepcache.apply_deepcache(ltx2, 3, 1), "ltxv", sigmas=sigmas, batch=2)
-    assert _rel(cached, plain) < 2e-6
+    assert rel(cached, plain) < 2e-6
     moving = sample(deepcache.apply_deepcache(ltx2, 3, 1), "ltxv", steps=6)
     assert torch.isfinite(moving).all() and not torch.equal(moving, sample(ltx2, "ltxv", steps=6))

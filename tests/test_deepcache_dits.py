@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (the fixtures imported from the support module are test arguments here)
 """DeepCache on every diffusion transformer family: tiny random-weight models built through ComfyUI's own model
 classes (video families with 5-D latents), sampled with ComfyUI's real sampler."""
 
@@ -8,6 +9,14 @@ import importlib
 import pytest
 import torch
 
+from tests.support.deepcache_tests import (  # noqa: F401 (fixtures: test arguments here)
+    deepcache,
+    held_sigmas,
+    int8_clone,
+    int8_kernels_on_tiny_layers,
+    one_thread,
+    rel,
+)
 from tests.support.tiny_models import build_tiny_model, sample
 
 # the block lists of each family's ComfyUI model, in execution order (written out here, not taken from the pack)
@@ -29,20 +38,6 @@ NEW_KINDS = [kind for kind in BLOCKS if kind not in ("flux", "sd3")]
 # weights N(0, 0.05): every block changes the output (0.02 barely does at width 64); the wider Z-Image, whose
 # modulation also moves fast with sigma, needs less to stay as smooth from step to step as the others
 WEIGHT_STD = {"zimage": 0.015}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models run hundreds of small ops: on this shared 2-core machine one thread is several times faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def deepcache(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.deepcache")
 
 
 _MODELS: dict = {}
@@ -87,10 +82,6 @@ class BlockRecorder:
         return sum(len(ran) for _, ran in self.calls)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def separate_calls(model):
     """A clone whose sampler evaluates cond and uncond in separate model calls (ComfyUI batches them when it can),
     through ComfyUI's CALC_COND_BATCH wrapper: one call of the real batching code per conditioning."""
@@ -106,13 +97,6 @@ def separate_calls(model):
     split = model.clone()
     split.add_wrapper_with_key(WrappersMP.CALC_COND_BATCH, "test_separate_calls", one_cond_per_call)
     return split
-
-
-def _held_sigmas(model, count: int = 3) -> torch.Tensor:
-    """`count` steps at one sigma, then 0: euler does not move x between them, so every cached step sees exactly
-    the input of the full step that cached its residuals."""
-    sigma = float(model.get_model_object("model_sampling").percent_to_sigma(0.3))
-    return torch.tensor([sigma] * count + [0.0])
 
 
 # --- the plain contract on every family ------------------------------------------------------------------
@@ -139,7 +123,7 @@ def test_interval_three_runs_at_most_70_percent_of_the_block_forwards(deepcache,
         list(range(blocks)) if step % 3 == 0 else [0, blocks - 1] for step in range(steps)]
     assert out.shape == plain.shape and torch.isfinite(out).all()
     assert not torch.equal(out, plain)
-    assert _rel(out, plain) < 0.1
+    assert rel(out, plain) < 0.1
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3", *NEW_KINDS])
@@ -149,7 +133,7 @@ def test_cached_step_at_the_captured_input_reproduces_the_full_output(deepcache,
     give the full step's result. This checks every stream of every segment end to end, for two latents of a
     batch, with cond and uncond in one call or in two (a residual taken from the wrong one would be far off)."""
     model = tiny(kind)
-    sigmas = _held_sigmas(model)
+    sigmas = held_sigmas(model)
     runner = separate_calls if calls == "separate" else (lambda m: m)
     plain = sample(runner(model), kind, sigmas=sigmas, batch=2)
     with BlockRecorder(model, kind) as rec:
@@ -159,7 +143,7 @@ def test_cached_step_at_the_captured_input_reproduces_the_full_output(deepcache,
     assert len(rec.calls) == 3 * per_step
     assert all(batch == (2 if calls == "separate" else 4) for batch, _ in rec.calls)
     assert rec.forwards == per_step * (blocks + 2 * 2)  # one full step, two cached ones
-    assert _rel(cached, plain) < 2e-6  # float rounding of (input + residual) only
+    assert rel(cached, plain) < 2e-6  # float rounding of (input + residual) only
 
 
 @pytest.mark.parametrize("kind", NEW_KINDS)
@@ -274,34 +258,17 @@ def test_blocks_that_never_reach_deepcache_fail_the_prompt_instead_of_running_un
 
 
 # --- composition ------------------------------------------------------------------------------------------
-def _int8(pack, model):
-    int8 = importlib.import_module("comfyui_int8_accel.nodes.int8")
-    settings = int8.QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
-    quantized, report = int8.apply_int8(model, settings)
-    assert quantized is not model, report
-    return quantized
-
-
-@pytest.fixture
-def int8_kernels_on_tiny_layers(monkeypatch, tmp_path):
-    """The cpu backend runs layers this small in float (too small to pay); here the larger ones (the feed-forward
-    layers) run its INT8 kernels."""
-    cpu = importlib.import_module("comfyui_int8_accel.kernels.cpu")
-    monkeypatch.setattr(cpu, "LINEAR_MIN_MACS", 100_000)
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
-
-
 @pytest.mark.parametrize("kind", NEW_KINDS)
 def test_int8_and_deepcache_in_either_order(deepcache, pack, kind, int8_kernels_on_tiny_layers):
     from comfyui_int8_accel.kernels import record_calls
 
     model = tiny(kind)
     steps = 5
-    int8 = _int8(pack, model)
+    int8 = int8_clone(pack, model)
     int8_alone = sample(int8, kind, steps=steps)
     orders = {
         "int8 then deepcache": lambda interval: deepcache.apply_deepcache(int8, interval, 1),
-        "deepcache then int8": lambda interval: _int8(pack, deepcache.apply_deepcache(model, interval, 1)),
+        "deepcache then int8": lambda interval: int8_clone(pack, deepcache.apply_deepcache(model, interval, 1)),
     }
     for order, build in orders.items():
         assert torch.equal(sample(build(1), kind, steps=steps), int8_alone), order
@@ -309,7 +276,7 @@ def test_int8_and_deepcache_in_either_order(deepcache, pack, kind, int8_kernels_
             out = sample(build(3), kind, steps=steps)
         assert rec.forwards <= 0.7 * steps * len(_blocks(model, kind)), order
         assert sum(n for (_, _, path), n in calls.items() if path == "int8") > 0, (order, calls)
-        assert torch.isfinite(out).all() and _rel(out, int8_alone) < 0.1, order
+        assert torch.isfinite(out).all() and rel(out, int8_alone) < 0.1, order
 
 
 @pytest.mark.parametrize("kind", NEW_KINDS)
@@ -325,7 +292,7 @@ def test_lora_before_or_after_deepcache(deepcache, kind):
     lora = model.clone()
     assert len(lora.add_patches(keys, 1.0)) == len(keys) > 0
     lora_alone = sample(lora, kind, steps=steps)
-    assert _rel(lora_alone, plain) > 0.01
+    assert rel(lora_alone, plain) > 0.01
 
     def cache_then_lora(interval: int):
         patched = deepcache.apply_deepcache(model, interval, 1).clone()
@@ -335,12 +302,12 @@ def test_lora_before_or_after_deepcache(deepcache, kind):
     assert torch.equal(sample(deepcache.apply_deepcache(lora, 1, 1), kind, steps=steps), lora_alone)
     assert torch.equal(sample(cache_then_lora(1), kind, steps=steps), lora_alone)
     # cached steps: the LoRA acts in the shallow blocks that run and in the residual the full step cached
-    held = _held_sigmas(model)
+    held = held_sigmas(model)
     lora_held = sample(lora, kind, sigmas=held)
     with BlockRecorder(model, kind) as rec:
         lora_then_cache = sample(deepcache.apply_deepcache(lora, 3, 1), kind, sigmas=held)
     assert rec.forwards == len(_blocks(model, kind)) + 2 * 2
-    assert _rel(lora_then_cache, lora_held) < 2e-6
+    assert rel(lora_then_cache, lora_held) < 2e-6
     assert torch.equal(sample(cache_then_lora(3), kind, sigmas=held), lora_then_cache)
     assert torch.equal(sample(model, kind, steps=steps), plain)  # and the LoRA never leaked into the base model
 
@@ -353,7 +320,7 @@ def test_int8_deepcache_compile_in_any_order(deepcache, pack, kind, int8_kernels
         return compile_module.compile_model(m, compile_module.CompileSettings())
 
     def int8(m):
-        return _int8(pack, m)
+        return int8_clone(pack, m)
 
     def cached(m):
         return deepcache.apply_deepcache(m, 3, 1)
@@ -369,4 +336,4 @@ def test_int8_deepcache_compile_in_any_order(deepcache, pack, kind, int8_kernels
         with BlockRecorder(model, kind) as rec:
             out = sample(m, kind, steps=6)
         assert rec.forwards <= 0.7 * 6 * len(_blocks(model, kind)), name
-        assert _rel(out, eager) < 1e-3, name
+        assert rel(out, eager) < 1e-3, name

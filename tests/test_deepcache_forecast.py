@@ -1,4 +1,4 @@
-# ruff: noqa: F811 (the fixtures imported from test_deepcache_dits are test arguments here)
+# ruff: noqa: F811 (the fixtures imported from the support module are test arguments here)
 """DeepCache's forecast mode on tiny models of a UNet (SD1.5) and three transformer families (Flux and Wan through
 ComfyUI's block-replace patches, Lumina 2 through the block-list swap), sampled with ComfyUI's real sampler."""
 
@@ -11,14 +11,14 @@ import weakref
 import pytest
 import torch
 
-from tests.support.tiny_models import build_tiny_model, sample
-from tests.test_deepcache_dits import (  # noqa: F401 (fixtures shared with that module)
-    _int8,
-    _rel,
+from tests.support.deepcache_tests import (  # noqa: F401 (fixtures: test arguments here)
     deepcache,
+    int8_clone,
     int8_kernels_on_tiny_layers,
     one_thread,
+    rel,
 )
+from tests.support.tiny_models import build_tiny_model, sample
 
 KINDS = ["sd15", "flux", "wan21", "lumina2"]
 # N(0, 0.05) weights make every transformer block matter (as in test_deepcache_dits.py); the UNet's 0.02 is the
@@ -66,7 +66,7 @@ def test_forecast_at_interval_three_is_closer_to_the_plain_output_than_reuse(dee
     model = tiny(kind)
     sigmas = smooth_sigmas(model)
     plain = sample(model, kind, sigmas=sigmas)
-    errors = {mode: _rel(sample(deepcache.apply_deepcache(model, 3, 1, mode=mode), kind, sigmas=sigmas), plain)
+    errors = {mode: rel(sample(deepcache.apply_deepcache(model, 3, 1, mode=mode), kind, sigmas=sigmas), plain)
               for mode in ("reuse", "forecast")}
     assert errors["reuse"] > 1e-4, errors  # caching does change the output
     assert errors["forecast"] < 0.9 * errors["reuse"], errors
@@ -121,16 +121,16 @@ def test_forecast_composes_with_int8_and_lora_in_either_order(deepcache, pack, k
     from comfyui_int8_accel.kernels import record_calls
 
     model = tiny(kind)
-    int8 = _int8(pack, model)
+    int8 = int8_clone(pack, model)
     int8_alone = sample(int8, kind, steps=5)
     orders = {"int8 then deepcache": lambda i: deepcache.apply_deepcache(int8, i, 1, mode="forecast"),
-              "deepcache then int8": lambda i: _int8(pack, deepcache.apply_deepcache(model, i, 1, mode="forecast"))}
+              "deepcache then int8": lambda i: int8_clone(pack, deepcache.apply_deepcache(model, i, 1, mode="forecast"))}
     for order, build in orders.items():
         assert torch.equal(sample(build(1), kind, steps=5), int8_alone), order
         with record_calls() as calls:
             out = sample(build(3), kind, steps=5)
         assert sum(n for (_, _, path), n in calls.items() if path == "int8") > 0, (order, calls)
-        assert torch.isfinite(out).all() and _rel(out, int8_alone) < 0.1, order
+        assert torch.isfinite(out).all() and rel(out, int8_alone) < 0.1, order
 
     net = model.get_model_object("diffusion_model")
     gen = torch.Generator().manual_seed(5)
