@@ -2,18 +2,18 @@
 embedding as initialised and with its high-frequency inputs cut (CPU, one plain sampling run each).
 
 What it measures, along the uncached 20-step run (the bench's sampler, seed and conditioning): the SD1.5 UNet's
-deep feature (what enters the last output block, cache_depth 1) and the Flux-shaped transformer's residual of its
-single blocks (img stream); per step, the relative change |h(t+1) - h(t)| / |h(t)| and the cosine between
+deep feature (what enters the last output block, cache_depth 1) and the Flux-shaped transformer's residual of the
+single blocks DeepCache skips at cache_depth 1 (all but the last; img stream); per step, the relative change |h(t+1) - h(t)| / |h(t)| and the cosine between
 consecutive changes (near 1: the feature drifts along a direction a forecast can follow; near 0 or below: it
 jitters, and reuse is as good as any extrapolation); and the error of reuse and of a first- and second-order
 forecast over the step number at intervals 3 and 5, on this plain trajectory.
 
-Why the cut: both models feed the sampler's timestep to their time MLP as sinusoids of up to one cycle per
+Why the cut: both models feed the sampler's timestep to their time MLP as sinusoids of up to one radian per
 timestep unit (Flux: per 0.001 sigma); 20 steps sample those at gaps of tens of units, where the fast sinusoids
 take effectively unrelated values from step to step. A trained model learns a response that is smooth in the
 timestep; a random first layer weighs every frequency alike, so the random network's conditioning jumps at every
-step. The cut (the first time layer's weights on sinusoids faster than CUTOFF radians per unit zeroed) is a crude stand-in for a trained
-model's smooth response, not a trained model.
+step. The cut (the first time layer's weights on sinusoids faster than CUTOFF radians per unit zeroed) is a
+crude stand-in for a trained model's smooth response, not a trained model.
 
 Usage: .venv/bin/python bench/deepcache_feature_steps.py [--sd15-size 128] [--flux-size 128] [--out PATH]
 """
