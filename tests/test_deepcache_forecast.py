@@ -149,3 +149,37 @@ def test_forecast_composes_with_int8_and_lora_in_either_order(deepcache, pack, k
     lora_then_cache = sample(deepcache.apply_deepcache(lora, 3, 1, mode="forecast"), kind, steps=5)
     assert not torch.equal(lora_then_cache, lora_alone)
     assert torch.equal(sample(cache_then_lora(3), kind, steps=5), lora_then_cache)
+
+
+def test_the_forecast_is_a_taylor_expansion_over_the_step_number_and_reuse_keeps_the_last_value(pack):
+    """First order after two full steps, second order from the third (TaylorSeer's expansion at the last full
+    step, its divided differences standing for the derivatives): a feature linear in the step is extrapolated
+    exactly, also across unequal gaps; on a quadratic the second difference is its second derivative. Reuse
+    keeps one tensor, the last value."""
+    steps_module = importlib.import_module("comfyui_int8_accel.nodes.deepcache.steps")
+    base = torch.linspace(-1.0, 1.0, 12, dtype=torch.float64).reshape(3, 4)
+
+    def run(feature, full_steps):
+        forecast = steps_module.Trajectory(steps_module.CacheMode.FORECAST.order)
+        reuse = steps_module.Trajectory(steps_module.CacheMode.REUSE.order)
+        for step in full_steps:
+            forecast.record(step, feature(step))
+            reuse.record(step, feature(step))
+        return forecast, reuse
+
+    def linear(step: float) -> torch.Tensor:
+        return base * (1.0 + 0.3 * step)
+
+    forecast, reuse = run(linear, [0])
+    assert torch.equal(forecast.at(2), linear(0))  # one full step: nothing to extrapolate from
+    forecast, reuse = run(linear, [0, 3])
+    assert len(forecast.terms) == 2 and torch.allclose(forecast.at(5), linear(5))
+    forecast, reuse = run(linear, [0, 3, 8])
+    for step in (9, 10, 12.5):
+        assert torch.allclose(forecast.at(step), linear(step)), step
+        assert torch.equal(reuse.at(step), linear(8))
+    assert len(forecast.terms) == 3 and len(reuse.terms) == 1
+
+    forecast, _ = run(lambda step: base * (1.0 - 0.05 * step * step), [0, 3, 6])
+    assert torch.allclose(forecast.terms[2], base * -0.1)
+    assert not torch.allclose(forecast.at(8), forecast.terms[0] + 2 * forecast.terms[1])  # the k²/2 term counts

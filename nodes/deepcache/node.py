@@ -10,7 +10,8 @@ from .families import supported_names
 from .page_status import show_runs_on_node
 
 MAX_DEPTH_WIDGET = 64
-# reuse until a full-size bench run shows forecast ahead on both model kinds (bench/bench_deepcache.py)
+# reuse: on the random-weight benches forecast was ahead on SD1.5 but behind reuse on the Flux-shaped transformer
+# (bench/results/deepcache_forecast_*.md)
 DEFAULT_MODE = "reuse"
 
 DESCRIPTION = (
@@ -57,8 +58,9 @@ class Int8AccelDeepCache(io.ComfyNode):
                 io.Combo.Input("mode", options=list(CACHE_MODES), default=DEFAULT_MODE, optional=True, tooltip=(
                     "What cached steps use for the deep features. reuse: those of the last full step. forecast: "
                     "extrapolated to the current step from the last full steps (second-order finite differences "
-                    "over the step number), closer to the uncached result at the same speed; keeps two more "
-                    "cached tensors per stream. cache_interval 1 is identical to the model in both modes.")),
+                    "over the step number): closer to the uncached result where the deep features move smoothly from "
+                    "step to step, further where they jitter; same speed; keeps two more cached tensors per "
+                    "stream. cache_interval 1 is identical to the model in both modes.")),
             ],
             outputs=[io.Model.Output(display_name="model",
                                      tooltip="The model with DeepCache applied (the input model is not modified).")],

@@ -1,0 +1,169 @@
+"""How the features DeepCache caches move from step to step on the random-weight bench models, with the time
+embedding as initialised and with its high-frequency inputs cut (CPU, one plain sampling run each).
+
+What it measures, along the uncached 20-step run (the bench's sampler, seed and conditioning): the SD1.5 UNet's
+deep feature (what enters the last output block, cache_depth 1) and the Flux-shaped transformer's residual of the
+single blocks DeepCache skips at cache_depth 1 (all but the last; img stream); per step, the relative change |h(t+1) - h(t)| / |h(t)| and the cosine between
+consecutive changes (near 1: the feature drifts along a direction a forecast can follow; near 0 or below: it
+jitters, and reuse is as good as any extrapolation); and the error of reuse and of a first- and second-order
+forecast over the step number at intervals 3 and 5, on this plain trajectory.
+
+Why the cut: both models feed the sampler's timestep to their time MLP as sinusoids of up to one radian per
+timestep unit (Flux: per 0.001 sigma); 20 steps sample those at gaps of tens of units, where the fast sinusoids
+take effectively unrelated values from step to step. A trained model learns a response that is smooth in the
+timestep; a random first layer weighs every frequency alike, so the random network's conditioning jumps at every
+step. The cut (the first time layer's weights on sinusoids faster than CUTOFF radians per unit zeroed) is a
+crude stand-in for a trained model's smooth response, not a trained model.
+
+Usage: .venv/bin/python bench/deepcache_feature_steps.py [--sd15-size 128] [--flux-size 128] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench.common import cpu_line  # noqa: E402
+
+STEPS = 20
+# highest kept frequency of the time embedding's sinusoids, in radians per unit of the model's timestep input
+# (SD1.5: timesteps 0..999, 20 normal steps are 30 to 80 apart; Flux: 1000 x sigma, gaps of 20 to 150)
+CUTOFF = {"sd15": 0.02, "flux": 0.03}
+
+
+def first_time_layer(name: str, net) -> torch.nn.Linear:
+    return net.time_embed[0] if name == "sd15" else net.time_in.in_layer
+
+
+def cut_high_frequencies(layer: torch.nn.Linear, cutoff: float) -> int:
+    """Zero the weights on the sinusoids faster than `cutoff` (inputs: cos then sin of each frequency)."""
+    half = layer.weight.shape[1] // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float64) / half)
+    keep = (freqs <= cutoff).to(layer.weight.dtype)
+    with torch.no_grad():
+        layer.weight.mul_(torch.cat([keep, keep])[None, :])
+    return int(keep.sum())
+
+
+def record(work, name: str) -> list[torch.Tensor]:
+    """The cached feature at every step of the plain run (the first half of a CFG batch)."""
+    import comfy.sample
+
+    net = work.model.get_model_object("diffusion_model")
+    features, inputs = [], []
+    if name == "sd15":  # the UNet runs a block's layers one by one: the last layer of output block N-2
+        hooks = [net.output_blocks[-2][-1].register_forward_hook(
+            lambda _m, _a, out: features.append(out[:1].detach().float().clone()))]
+    else:
+        first, last = net.single_blocks[0], net.single_blocks[len(net.single_blocks) - 2]
+        hooks = [first.register_forward_pre_hook(lambda _m, args: inputs.append(args[0][:1].detach().float().clone())),
+                 last.register_forward_hook(lambda _m, _a, out: features.append(
+                     out[:1].detach().float() - inputs.pop()))]
+    noise = comfy.sample.prepare_noise(work.latent, 42)
+    try:
+        with torch.inference_mode():
+            comfy.sample.sample(work.model, noise, STEPS, work.cfg, "euler", "normal", work.positive, work.negative,
+                                work.latent, denoise=1.0, disable_pbar=True, seed=42)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return features
+
+
+def taylor(points: list[tuple[int, torch.Tensor]], order: int, step: int) -> torch.Tensor:
+    """DeepCache's forecast (steps.Trajectory) from the full steps `points` to `step`."""
+    last, terms = None, []
+    for at, value in points:
+        new = [value]
+        if order and last is not None:
+            for previous in terms[:order]:
+                new.append((new[-1] - previous) / (at - last))
+        last, terms = at, new
+    out = terms[0].clone()
+    for k, term in enumerate(terms[1:], start=1):
+        out += term * (step - last) ** k / math.factorial(k)
+    return out
+
+
+def summary(features: list[torch.Tensor]) -> dict[str, float]:
+    changes = [b - a for a, b in zip(features, features[1:], strict=False)]
+    rel = [float(c.norm() / f.norm()) for c, f in zip(changes, features, strict=False)]
+    cos = [float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+           for a, b in zip(changes, changes[1:], strict=False)]
+    half = len(cos) // 2
+    out = {"change": sum(rel) / len(rel), "cos first half": sum(cos[:half]) / half,
+           "cos second half": sum(cos[half:]) / (len(cos) - half)}
+    for interval in (3, 5):
+        errors = {order: 0.0 for order in (0, 1, 2)}
+        for step in range(len(features)):
+            if step % interval == 0:
+                continue
+            full = [(s, features[s]) for s in range(0, step, interval)]
+            for order in errors:
+                errors[order] += float((taylor(full, order, step) - features[step]).pow(2).sum())
+        for order in (1, 2):
+            out[f"order {order} / reuse, interval {interval}"] = math.sqrt(errors[order] / errors[0])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sd15-size", type=int, default=128)
+    parser.add_argument("--flux-size", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "deepcache_feature_steps.md")
+    args = parser.parse_args()
+
+    from tests.support.comfy_host import import_comfy, load_pack
+
+    import_comfy()
+    load_pack()
+    import comfy.model_management
+
+    from bench.bench_deepcache import flux_workload, sd15_workload
+
+    start_load = os.getloadavg()
+    rows = []
+    for name in ("sd15", "flux"):
+        work = sd15_workload(args.sd15_size, STEPS) if name == "sd15" else flux_workload(args.flux_size, STEPS, 2, 4)
+        net = work.model.get_model_object("diffusion_model")
+        layer = first_time_layer(name, net)
+        for variant in ("as initialised", "fast sinusoids cut"):
+            if variant != "as initialised":
+                kept = cut_high_frequencies(layer, CUTOFF[name])
+                variant += f" (kept {kept} of {layer.weight.shape[1] // 2} frequencies)"
+            stats = summary(record(work, name))
+            print(name, variant, stats, flush=True)
+            size = args.sd15_size if name == "sd15" else args.flux_size
+            rows.append((f"{'SD1.5 UNet' if name == 'sd15' else 'Flux-shaped (2+4 blocks)'}, {size}x{size}", variant,
+                         stats))
+        del work, net, layer
+        comfy.model_management.unload_all_models()
+    keys = list(rows[0][2])
+    load = os.getloadavg()
+    lines = ["# How DeepCache's cached features move from step to step (random-weight bench models)", "",
+             f"CPU: {cpu_line()}.", "",
+             "One plain (uncached) 20-step euler / normal run per row, the bench's seed and conditioning; "
+             "SD1.5: the deep feature entering the last output block (first half of the CFG batch); Flux-shaped "
+             "(2 double, 4 single blocks): the residual of single blocks 0..2 (img stream). change: mean "
+             "|h(t+1) - h(t)| / |h(t)|; cos: mean cosine between consecutive changes (1: a steady drift, "
+             "-0.5: noise around a fixed value); order k / reuse: error of DeepCache's forecast over the step "
+             "number against reuse's, at the cached steps of the interval, on this plain trajectory. "
+             f"Load average {start_load[0]:.1f} at the start, {load[0]:.1f} at the end (timings are not used).", "",
+             f"Command: `.venv/bin/python bench/deepcache_feature_steps.py{''.join(' ' + a for a in sys.argv[1:])}`",
+             "", "| model | time embedding | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for model, variant, stats in rows:
+        lines.append(f"| {model} | {variant} | " + " | ".join(f"{stats[k]:.2f}" for k in keys) + " |")
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
