@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "deepcache_feature_steps.md")
     args = parser.parse_args()
 
-    from tests.support.comfy_host import import_comfy, load_pack
+    from harness.comfy_host import import_comfy, load_pack
 
     import_comfy()
     load_pack()
