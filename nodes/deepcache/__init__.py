@@ -27,7 +27,7 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
     if mode not in CACHE_MODES:
         raise ValueError(f"DeepCache: mode={mode!r} is not one of {', '.join(CACHE_MODES)}.")
     settings = DeepCacheSettings(int(cache_interval), int(cache_depth), float(start_percent), float(end_percent),
-                             CacheMode(mode))
+                                 CacheMode(mode))
     if settings.problem():
         raise ValueError(f"DeepCache: {settings.problem()}.")
 

@@ -60,8 +60,7 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         speedup = int8_layer_speedup(result)
         paragraphs.append(
             f"speed gate: {len(timed)} layers timed on {result.kernel_backend or 'this device'}, {slower} stay float "
-            f"as "
-            f"slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of {kept_float:.1f} ms in float "
+            f"as slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of {kept_float:.1f} ms in float "
             f"({'-' if speedup is None else f'{speedup:.2f}x'})")
     if result.memory:
         mib = {name: value / MIB for name, value in result.memory.items()}
@@ -73,8 +72,8 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
     if result.kernel_calls:
         paragraphs.append(
             f"kernels: {result.kernel_backend} kernel backend; in the checking step "
-            f"{result.kernel_calls.get('int8', 0)} INT8 "
-            f"layer calls ran the INT8 kernels and {result.kernel_calls.get('float', 0)} ran in float with the "
+            f"{result.kernel_calls.get('int8', 0)} INT8 layer calls ran the INT8 kernels and "
+            f"{result.kernel_calls.get('float', 0)} ran in float with the "
             f"INT8-rounded weights (shapes too small for INT8 to pay on this device)")
     core_line = _core_formats_line(result)
     if core_line:
@@ -107,10 +106,8 @@ def _details_line(result: CalibrationResult, settings: QuantizeSettings) -> str:
     return (f"INT8 calibration on latent {result.shape} ({result.seconds:.1f} s). A layer runs in INT8 when its "
             f"kind is enabled (gate 'kind'), its compute density is at least {settings.compute_density_threshold} "
             f"('density'), the kernel backend ({result.kernel_backend or 'unknown'}) computes its call at this latent "
-            f"size in INT8, "
-            f"not in float below its size floor ('kernel size floor'), its norm. MSE = mean((y_int8 - y)^2) / "
-            f"mean(y^2) is at most "
-            f"{settings.conv_mse_threshold:g} (conv) / {settings.linear_mse_threshold:g} (linear) ('error')"
+            f"size in INT8, not in float below its size floor ('kernel size floor'), its norm. MSE = "
+            f"mean((y_int8 - y)^2) / mean(y^2) is at most {settings.conv_mse_threshold:g} (conv) / {settings.linear_mse_threshold:g} (linear) ('error')"
             + (" and its INT8 call is faster than its float call ('speed'; float/int8 ms: the speed gate's median "
                "times)." if timed else "; no layer was timed (speed gate off, or no layer reached it)."))
 
