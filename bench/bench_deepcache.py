@@ -21,6 +21,7 @@ reuse interval 3's PSNR (forecast's speed-up interpolated along its intervals).
 
 Usage: .venv/bin/python bench/bench_deepcache.py [--model sd15|flux|both] [--quick] [--rounds N]
                                                 [--thresholds T,T,...] [--flux-blocks D,S] [--out PATH]
+                                                [--time-response as-initialised|smooth]
   default: both models; sd15 512x512 20 steps, flux 256x256 20 steps (--sd15-size, --flux-size); 1 round; writes bench/results/deepcache.md
   --quick: sd15 128x128 6 steps, flux 64x64 6 steps; prints the tables only (unless --out is given).
 """
@@ -50,6 +51,9 @@ INTERVALS = (2, 3, 5)
 MODES = ("reuse", "forecast")
 SKIPPERS = ("EasyCache", "LazyCache")
 THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2.0)
+# --time-response smooth keeps the time embedding's sinusoids up to this many radians per unit of the model's
+# timestep input (SD1.5: timesteps 0..999; Flux: 1000 x sigma): under half a period across the whole range
+SMOOTH_TIME_CUTOFF = 0.003
 EASYCACHE_START, EASYCACHE_END = 0.15, 0.95
 
 
@@ -123,6 +127,27 @@ def flux_workload(size: int, steps: int, double: int, single: int) -> Workload:
                     f"Flux-shaped transformer at real width (hidden 3072, 24 heads) with {double} double and {single} "
                     f"single blocks ({params:.2f} B parameters, random weights), {size}x{size}, {steps} steps, "
                     "euler / normal, guidance 3.5, cfg 1, 128 text tokens, batch 1")
+
+
+def first_time_layer(net) -> torch.nn.Linear:
+    """The layer that takes the timestep's sinusoids (cos of every frequency, then sin): UNet or Flux."""
+    return net.time_embed[0] if hasattr(net, "time_embed") else net.time_in.in_layer
+
+
+def smooth_time_response(net, cutoff: float = SMOOTH_TIME_CUTOFF) -> int:
+    """Zero the first time layer's weights on sinusoids faster than `cutoff`; returns how many frequencies stay.
+
+    Both models feed the timestep to their time MLP as sinusoids of up to one radian per timestep unit; 20 steps
+    sample them tens of units apart, where the fast ones take effectively unrelated values from step to step, and
+    random weights weigh every frequency alike, so a random network's conditioning jumps at every step. A trained
+    model responds smoothly to the timestep; this cut is a stand-in for that one property, not a trained model."""
+    layer = first_time_layer(net)
+    half = layer.weight.shape[1] // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float64) / half)
+    keep = (freqs <= cutoff).to(layer.weight.dtype)
+    with torch.no_grad():
+        layer.weight.mul_(torch.cat([keep, keep])[None, :])
+    return int(keep.sum())
 
 
 def variants(work: Workload, thresholds: tuple[float, ...]) -> dict[str, object]:
@@ -244,6 +269,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="markdown result file")
     parser.add_argument("--sd15-size", type=int, default=512, help="image size of the SD1.5 runs")
     parser.add_argument("--flux-size", type=int, default=256, help="image size of the Flux-shaped runs")
+    parser.add_argument("--time-response", choices=("as-initialised", "smooth"), default="as-initialised",
+                        help="smooth: the time MLP sees only slow sinusoids (a trained model's smooth response)")
     args = parser.parse_args()
     thresholds = tuple(float(t) for t in args.thresholds.split(","))
     double, single = (int(n) for n in args.flux_blocks.split(","))
@@ -263,6 +290,13 @@ def main() -> None:
             work = sd15_workload(*((128, 6) if args.quick else (args.sd15_size, 20)))
         else:
             work = flux_workload(*((64, 6) if args.quick else (args.flux_size, 20)), double, single)
+        if args.time_response == "smooth":
+            net = work.model.get_model_object("diffusion_model")
+            half = first_time_layer(net).weight.shape[1] // 2
+            kept = smooth_time_response(net)
+            work.description += (f"; smooth time response: the time MLP's weights on sinusoids faster than "
+                                 f"{SMOOTH_TIME_CUTOFF} rad per timestep unit zeroed ({kept} of {half} frequencies "
+                                 "kept)")
         results = run_workload(work, thresholds, args.rounds)
         section = f"## {name}\n\n{work.description}.\n\n{tables(work, results)}\n"
         print("\n" + section, flush=True)
@@ -291,7 +325,11 @@ def write_results(out_path: Path | None, args, sections: list[str], start_load: 
         "step to step (what forecasting relies on, and what EasyCache's and LazyCache's thresholds react to) "
         "differs from a random network's, so the PSNR gaps between the methods are indications, not "
         "predictions for trained checkpoints.\n\n"
-        f"Load average {start_load[0]:.1f} / {start_load[1]:.1f} / {start_load[2]:.1f} at the start, "
+        + ("Smooth time response (`--time-response smooth`): the one change to the random weights is that the time "
+           "MLP sees only slow sinusoids of the timestep, so the conditioning moves smoothly from step to step as a "
+           "trained model's does; it shows what forecasting does with features that drift instead of jumping, "
+           "still not what it does on a trained checkpoint.\n\n" if args.time_response == "smooth" else "")
+        + f"Load average {start_load[0]:.1f} / {start_load[1]:.1f} / {start_load[2]:.1f} at the start, "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} when written, on {os.cpu_count()} cores (a shared "
         "machine: other jobs ran at the same time; all ratios are from this one process).\n\n"
         f"Command: `.venv/bin/python {command}`\n\n" + "\n".join(sections)

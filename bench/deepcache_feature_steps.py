@@ -1,19 +1,20 @@
 """How the features DeepCache caches move from step to step on the random-weight bench models, with the time
-embedding as initialised and with its high-frequency inputs cut (CPU, one plain sampling run each).
+embedding as initialised and with a smooth time response (CPU, one plain sampling run each), and how close any
+forecast from the last full steps could get.
 
 What it measures, along the uncached 20-step run (the bench's sampler, seed and conditioning): the SD1.5 UNet's
 deep feature (what enters the last output block, cache_depth 1) and the Flux-shaped transformer's residual of the
-single blocks DeepCache skips at cache_depth 1 (all but the last; img stream); per step, the relative change |h(t+1) - h(t)| / |h(t)| and the cosine between
-consecutive changes (near 1: the feature drifts along a direction a forecast can follow; near 0 or below: it
-jitters, and reuse is as good as any extrapolation); and the error of reuse and of a first- and second-order
-forecast over the step number at intervals 3 and 5, on this plain trajectory.
+single blocks DeepCache skips at cache_depth 1 (all but the last; img stream); per step, the relative change
+|h(t+1) - h(t)| / |h(t)| and the cosine between consecutive changes (near 1: the feature drifts along a direction
+a forecast can follow; near 0 or below: it jitters, and reuse is as good as any extrapolation); at intervals 3
+and 5, on this plain trajectory, the error of DeepCache's second-order forecast over the step number against
+reuse's, and a hindsight bound: at every cached step, the last full step's value plus the combination of the last
+two changes between full steps that lands closest to the true feature (coefficients fitted to the answer, so no
+forecast of that form, whatever its abscissa, order or damping, comes closer).
 
-Why the cut: both models feed the sampler's timestep to their time MLP as sinusoids of up to one radian per
-timestep unit (Flux: per 0.001 sigma); 20 steps sample those at gaps of tens of units, where the fast sinusoids
-take effectively unrelated values from step to step. A trained model learns a response that is smooth in the
-timestep; a random first layer weighs every frequency alike, so the random network's conditioning jumps at every
-step. The cut (the first time layer's weights on sinusoids faster than CUTOFF radians per unit zeroed) is a
-crude stand-in for a trained model's smooth response, not a trained model.
+The smooth time response is the bench's `--time-response smooth` (`bench_deepcache.smooth_time_response`): only
+the time embedding's slow sinusoids reach the time MLP, a stand-in for a trained model's smooth response to the
+timestep, not a trained model.
 
 Usage: .venv/bin/python bench/deepcache_feature_steps.py [--sd15-size 128] [--flux-size 128] [--out PATH]
 """
@@ -34,23 +35,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench.common import cpu_line  # noqa: E402
 
 STEPS = 20
-# highest kept frequency of the time embedding's sinusoids, in radians per unit of the model's timestep input
-# (SD1.5: timesteps 0..999, 20 normal steps are 30 to 80 apart; Flux: 1000 x sigma, gaps of 20 to 150)
-CUTOFF = {"sd15": 0.02, "flux": 0.03}
-
-
-def first_time_layer(name: str, net) -> torch.nn.Linear:
-    return net.time_embed[0] if name == "sd15" else net.time_in.in_layer
-
-
-def cut_high_frequencies(layer: torch.nn.Linear, cutoff: float) -> int:
-    """Zero the weights on the sinusoids faster than `cutoff` (inputs: cos then sin of each frequency)."""
-    half = layer.weight.shape[1] // 2
-    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float64) / half)
-    keep = (freqs <= cutoff).to(layer.weight.dtype)
-    with torch.no_grad():
-        layer.weight.mul_(torch.cat([keep, keep])[None, :])
-    return int(keep.sum())
+INTERVALS = (3, 5)
 
 
 def record(work, name: str) -> list[torch.Tensor]:
@@ -93,7 +78,20 @@ def taylor(points: list[tuple[int, torch.Tensor]], order: int, step: int) -> tor
     return out
 
 
+def hindsight(points: list[tuple[int, torch.Tensor]], truth: torch.Tensor) -> torch.Tensor:
+    """The last full value plus the combination of the last two changes between full steps closest to `truth`."""
+    values = [value for _, value in points]
+    changes = [(values[i] - values[i - 1]).flatten() for i in range(max(1, len(values) - 2), len(values))]
+    if not changes:
+        return values[-1]
+    basis = torch.stack(changes, dim=1)
+    target = (truth - values[-1]).flatten()[:, None]
+    coefficients = torch.linalg.lstsq(basis, target).solution
+    return values[-1] + (basis @ coefficients).reshape(truth.shape)
+
+
 def summary(features: list[torch.Tensor]) -> dict[str, float]:
+    features = [f.double() for f in features]
     changes = [b - a for a, b in zip(features, features[1:], strict=False)]
     rel = [float(c.norm() / f.norm()) for c, f in zip(changes, features, strict=False)]
     cos = [float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0))
@@ -101,16 +99,18 @@ def summary(features: list[torch.Tensor]) -> dict[str, float]:
     half = len(cos) // 2
     out = {"change": sum(rel) / len(rel), "cos first half": sum(cos[:half]) / half,
            "cos second half": sum(cos[half:]) / (len(cos) - half)}
-    for interval in (3, 5):
-        errors = {order: 0.0 for order in (0, 1, 2)}
+    for interval in INTERVALS:
+        reuse = forecast = bound = 0.0
         for step in range(len(features)):
             if step % interval == 0:
                 continue
             full = [(s, features[s]) for s in range(0, step, interval)]
-            for order in errors:
-                errors[order] += float((taylor(full, order, step) - features[step]).pow(2).sum())
-        for order in (1, 2):
-            out[f"order {order} / reuse, interval {interval}"] = math.sqrt(errors[order] / errors[0])
+            truth = features[step]
+            reuse += float((full[-1][1] - truth).pow(2).sum())
+            forecast += float((taylor(full, 2, step) - truth).pow(2).sum())
+            bound += float((hindsight(full, truth) - truth).pow(2).sum())
+        out[f"forecast / reuse, interval {interval}"] = math.sqrt(forecast / reuse)
+        out[f"hindsight bound / reuse, interval {interval}"] = math.sqrt(bound / reuse)
     return out
 
 
@@ -127,24 +127,30 @@ def main() -> None:
     load_pack()
     import comfy.model_management
 
-    from bench.bench_deepcache import flux_workload, sd15_workload
+    from bench.bench_deepcache import (
+        SMOOTH_TIME_CUTOFF,
+        first_time_layer,
+        flux_workload,
+        sd15_workload,
+        smooth_time_response,
+    )
 
     start_load = os.getloadavg()
     rows = []
     for name in ("sd15", "flux"):
         work = sd15_workload(args.sd15_size, STEPS) if name == "sd15" else flux_workload(args.flux_size, STEPS, 2, 4)
         net = work.model.get_model_object("diffusion_model")
-        layer = first_time_layer(name, net)
-        for variant in ("as initialised", "fast sinusoids cut"):
-            if variant != "as initialised":
-                kept = cut_high_frequencies(layer, CUTOFF[name])
-                variant += f" (kept {kept} of {layer.weight.shape[1] // 2} frequencies)"
+        for variant in ("as initialised", "smooth"):
+            if variant == "smooth":
+                kept = smooth_time_response(net)
+                variant += f" (sinusoids up to {SMOOTH_TIME_CUTOFF} rad/unit: {kept} of " \
+                           f"{first_time_layer(net).weight.shape[1] // 2})"
             stats = summary(record(work, name))
             print(name, variant, stats, flush=True)
             size = args.sd15_size if name == "sd15" else args.flux_size
             rows.append((f"{'SD1.5 UNet' if name == 'sd15' else 'Flux-shaped (2+4 blocks)'}, {size}x{size}", variant,
                          stats))
-        del work, net, layer
+        del work, net
         comfy.model_management.unload_all_models()
     keys = list(rows[0][2])
     load = os.getloadavg()
@@ -154,11 +160,15 @@ def main() -> None:
              "SD1.5: the deep feature entering the last output block (first half of the CFG batch); Flux-shaped "
              "(2 double, 4 single blocks): the residual of single blocks 0..2 (img stream). change: mean "
              "|h(t+1) - h(t)| / |h(t)|; cos: mean cosine between consecutive changes (1: a steady drift, "
-             "-0.5: noise around a fixed value); order k / reuse: error of DeepCache's forecast over the step "
-             "number against reuse's, at the cached steps of the interval, on this plain trajectory. "
+             "-0.5: noise around a fixed value); forecast / reuse: error of DeepCache's forecast (second order over "
+             "the step number) against reuse's, over the cached steps of the interval, on this plain trajectory; "
+             "hindsight bound / reuse: the same for the last full value plus the combination of the last two "
+             "changes between full steps fitted to the true feature at each cached step (no forecast built from "
+             "those changes comes closer). Time response: as initialised, or smooth (the bench's "
+             "`--time-response smooth`: the time MLP's weights on faster sinusoids zeroed). "
              f"Load average {start_load[0]:.1f} at the start, {load[0]:.1f} at the end (timings are not used).", "",
              f"Command: `.venv/bin/python bench/deepcache_feature_steps.py{''.join(' ' + a for a in sys.argv[1:])}`",
-             "", "| model | time embedding | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+             "", "| model | time response | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for model, variant, stats in rows:
         lines.append(f"| {model} | {variant} | " + " | ".join(f"{stats[k]:.2f}" for k in keys) + " |")
     args.out.write_text("\n".join(lines) + "\n")
