@@ -10,8 +10,9 @@ from .families import supported_names
 from .page_status import show_runs_on_node
 
 MAX_DEPTH_WIDGET = 64
-# reuse: on the random-weight benches forecast was ahead on SD1.5 but behind reuse on the Flux-shaped transformer
-# (bench/results/deepcache_forecast_*.md)
+# reuse: on the random-weight benches forecast is ahead on SD1.5 and on the Flux-shaped transformer with a smooth
+# time response, behind on that transformer as initialised (bench/results/deepcache_forecast_*.md); which of
+# these a trained checkpoint is like was not measurable here
 DEFAULT_MODE = "reuse"
 
 DESCRIPTION = (
