@@ -21,7 +21,7 @@ reuse interval 3's PSNR (forecast's speed-up interpolated along its intervals).
 
 Usage: .venv/bin/python bench/bench_deepcache.py [--model sd15|flux|both] [--quick] [--rounds N]
                                                 [--thresholds T,T,...] [--flux-blocks D,S] [--out PATH]
-                                                [--time-response as-initialised|smooth]
+                                                [--time-response as-initialised|smooth] [--deepcache-start P]
   default: both models; sd15 512x512 20 steps, flux 256x256 20 steps (--sd15-size, --flux-size); 1 round; writes bench/results/deepcache.md
   --quick: sd15 128x128 6 steps, flux 64x64 6 steps; prints the tables only (unless --out is given).
 """
@@ -150,15 +150,15 @@ def smooth_time_response(net, cutoff: float = SMOOTH_TIME_CUTOFF) -> int:
     return int(keep.sum())
 
 
-def variants(work: Workload, thresholds: tuple[float, ...]) -> dict[str, object]:
+def variants(work: Workload, thresholds: tuple[float, ...], deepcache_start: float = 0.0) -> dict[str, object]:
     from comfy_extras.nodes_easycache import EasyCacheNode, LazyCacheNode
 
     deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache")
     out = {"baseline": work.model}
     for mode in MODES:
         for interval in INTERVALS:
-            out[f"DeepCache {mode} {interval}"] = deepcache.apply_deepcache(work.model, cache_interval=interval,
-                                                                            cache_depth=1, mode=mode)
+            out[f"DeepCache {mode} {interval}"] = deepcache.apply_deepcache(
+                work.model, cache_interval=interval, cache_depth=1, start_percent=deepcache_start, mode=mode)
     for skipper, node in zip(SKIPPERS, (EasyCacheNode, LazyCacheNode), strict=True):
         for threshold in thresholds:
             out[f"{skipper} {threshold:g}"] = node.execute(work.model, threshold, EASYCACHE_START, EASYCACHE_END,
@@ -166,10 +166,11 @@ def variants(work: Workload, thresholds: tuple[float, ...]) -> dict[str, object]
     return out
 
 
-def run_workload(work: Workload, thresholds: tuple[float, ...], rounds: int) -> dict[str, Result]:
+def run_workload(work: Workload, thresholds: tuple[float, ...], rounds: int,
+                 deepcache_start: float = 0.0) -> dict[str, Result]:
     import comfy.sample
 
-    configs = variants(work, thresholds)
+    configs = variants(work, thresholds, deepcache_start)
     noise = comfy.sample.prepare_noise(work.latent, 42)
 
     def sample(patcher, steps: int) -> torch.Tensor:
@@ -281,6 +282,8 @@ def main() -> None:
     parser.add_argument("--flux-size", type=int, default=256, help="image size of the Flux-shaped runs")
     parser.add_argument("--time-response", choices=("as-initialised", "smooth"), default="as-initialised",
                         help="smooth: the time MLP sees only slow sinusoids (a trained model's smooth response)")
+    parser.add_argument("--deepcache-start", type=float, default=0.0,
+                        help="DeepCache's start_percent (EasyCache and LazyCache start at their default, 0.15)")
     args = parser.parse_args()
     thresholds = tuple(float(t) for t in args.thresholds.split(","))
     double, single = (int(n) for n in args.flux_blocks.split(","))
@@ -307,7 +310,7 @@ def main() -> None:
             work.description += (f"; smooth time response: the time MLP's weights on sinusoids faster than "
                                  f"{SMOOTH_TIME_CUTOFF} rad per timestep unit zeroed ({kept} of {half} frequencies "
                                  "kept)")
-        results = run_workload(work, thresholds, args.rounds)
+        results = run_workload(work, thresholds, args.rounds, args.deepcache_start)
         section = f"## {name}\n\n{work.description}.\n\n{tables(work, results)}\n"
         print("\n" + section, flush=True)
         sections.append(section)
@@ -325,7 +328,8 @@ def write_results(out_path: Path | None, args, sections: list[str], start_load: 
     text = (
         "# DeepCache reuse / forecast, ComfyUI's EasyCache and LazyCache\n\n"
         f"CPU: {cpu_line()}.\n\nRandom weights, in-process `comfy.sample.sample`; median of {args.rounds} "
-        "interleaved round(s). DeepCache: cache_depth 1, mode reuse or forecast. EasyCache and LazyCache: ComfyUI's "
+        f"interleaved round(s). DeepCache: cache_depth 1, start_percent {args.deepcache_start:g}, mode reuse or "
+        "forecast. EasyCache and LazyCache: ComfyUI's "
         f"nodes, start_percent {EASYCACHE_START}, end_percent {EASYCACHE_END}, reuse_threshold as named. The "
         "matched table interpolates each of their sweeps linearly (CPU-time speed-up vs PSNR).\n\n"
         "What random weights can and cannot show: the networks are the real architectures at real width, so the "
