@@ -60,8 +60,9 @@ class Int8AccelDeepCache(io.ComfyNode):
                     "What cached steps use for the deep features. reuse: those of the last full step. forecast: "
                     "extrapolated to the current step from the last full steps (second-order finite differences "
                     "over the step number): closer to the uncached result where the deep features move smoothly from "
-                    "step to step, further where they jitter; same speed; keeps two more cached tensors per "
-                    "stream. cache_interval 1 is identical to the model in both modes.")),
+                    "step to step, further where they jitter or where start_percent is above 0 with a long interval; "
+                    "same speed; keeps two more cached tensors per stream. cache_interval 1 is identical to the "
+                    "model in both modes.")),
             ],
             outputs=[io.Model.Output(display_name="model",
                                      tooltip="The model with DeepCache applied (the input model is not modified).")],
