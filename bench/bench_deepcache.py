@@ -129,25 +129,22 @@ def flux_workload(size: int, steps: int, double: int, single: int) -> Workload:
                     "euler / normal, guidance 3.5, cfg 1, 128 text tokens, batch 1")
 
 
-def first_time_layer(net) -> torch.nn.Linear:
-    """The layer that takes the timestep's sinusoids (cos of every frequency, then sin): UNet or Flux."""
-    return net.time_embed[0] if hasattr(net, "time_embed") else net.time_in.in_layer
-
-
-def smooth_time_response(net, cutoff: float = SMOOTH_TIME_CUTOFF) -> int:
-    """Zero the first time layer's weights on sinusoids faster than `cutoff`; returns how many frequencies stay.
+def smooth_time_response(net, cutoff: float = SMOOTH_TIME_CUTOFF) -> tuple[int, int]:
+    """Zero the first time layer's weights on sinusoids faster than `cutoff`; returns how many frequencies stay
+    and how many there are.
 
     Both models feed the timestep to their time MLP as sinusoids of up to one radian per timestep unit; 20 steps
     sample them tens of units apart, where the fast ones take effectively unrelated values from step to step, and
     random weights weigh every frequency alike, so a random network's conditioning jumps at every step. A trained
     model responds smoothly to the timestep; this cut is a stand-in for that one property, not a trained model."""
-    layer = first_time_layer(net)
+    # the layer that takes the timestep's sinusoids (cos of every frequency, then sin): UNet, else Flux
+    layer = net.time_embed[0] if hasattr(net, "time_embed") else net.time_in.in_layer
     half = layer.weight.shape[1] // 2
     freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float64) / half)
     keep = (freqs <= cutoff).to(layer.weight.dtype)
     with torch.no_grad():
         layer.weight.mul_(torch.cat([keep, keep])[None, :])
-    return int(keep.sum())
+    return int(keep.sum()), half
 
 
 def variants(work: Workload, thresholds: tuple[float, ...], deepcache_start: float = 0.0) -> dict[str, object]:
@@ -304,9 +301,7 @@ def main() -> None:
         else:
             work = flux_workload(*((64, 6) if args.quick else (args.flux_size, 20)), double, single)
         if args.time_response == "smooth":
-            net = work.model.get_model_object("diffusion_model")
-            half = first_time_layer(net).weight.shape[1] // 2
-            kept = smooth_time_response(net)
+            kept, half = smooth_time_response(work.model.get_model_object("diffusion_model"))
             work.description += (f"; smooth time response: the time MLP's weights on sinusoids faster than "
                                  f"{SMOOTH_TIME_CUTOFF} rad per timestep unit zeroed ({kept} of {half} frequencies "
                                  "kept)")

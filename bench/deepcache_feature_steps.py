@@ -63,19 +63,15 @@ def record(work, name: str) -> list[torch.Tensor]:
     return features
 
 
-def taylor(points: list[tuple[int, torch.Tensor]], order: int, step: int) -> torch.Tensor:
-    """DeepCache's forecast (steps.Trajectory) from the full steps `points` to `step`."""
-    last, terms = None, []
+def forecast(points: list[tuple[int, torch.Tensor]], step: int) -> torch.Tensor:
+    """DeepCache's own forecast (its `Trajectory`, second order) from the full steps `points` to `step`."""
+    from comfyui_int8_accel.nodes.deepcache.settings import CacheMode
+    from comfyui_int8_accel.nodes.deepcache.steps import Trajectory
+
+    trajectory = Trajectory(CacheMode.FORECAST.order)
     for at, value in points:
-        new = [value]
-        if order and last is not None:
-            for previous in terms[:order]:
-                new.append((new[-1] - previous) / (at - last))
-        last, terms = at, new
-    out = terms[0].clone()
-    for k, term in enumerate(terms[1:], start=1):
-        out += term * (step - last) ** k / math.factorial(k)
-    return out
+        trajectory.record(at, value)
+    return trajectory.at(step)
 
 
 def hindsight(points: list[tuple[int, torch.Tensor]], truth: torch.Tensor) -> torch.Tensor:
@@ -100,16 +96,16 @@ def summary(features: list[torch.Tensor]) -> dict[str, float]:
     out = {"change": sum(rel) / len(rel), "cos first half": sum(cos[:half]) / half,
            "cos second half": sum(cos[half:]) / (len(cos) - half)}
     for interval in INTERVALS:
-        reuse = forecast = bound = 0.0
+        reuse = forecast_error = bound = 0.0
         for step in range(len(features)):
             if step % interval == 0:
                 continue
             full = [(s, features[s]) for s in range(0, step, interval)]
             truth = features[step]
             reuse += float((full[-1][1] - truth).pow(2).sum())
-            forecast += float((taylor(full, 2, step) - truth).pow(2).sum())
+            forecast_error += float((forecast(full, step) - truth).pow(2).sum())
             bound += float((hindsight(full, truth) - truth).pow(2).sum())
-        out[f"forecast / reuse, interval {interval}"] = math.sqrt(forecast / reuse)
+        out[f"forecast / reuse, interval {interval}"] = math.sqrt(forecast_error / reuse)
         out[f"hindsight bound / reuse, interval {interval}"] = math.sqrt(bound / reuse)
     return out
 
@@ -127,13 +123,7 @@ def main() -> None:
     load_pack()
     import comfy.model_management
 
-    from bench.bench_deepcache import (
-        SMOOTH_TIME_CUTOFF,
-        first_time_layer,
-        flux_workload,
-        sd15_workload,
-        smooth_time_response,
-    )
+    from bench.bench_deepcache import SMOOTH_TIME_CUTOFF, flux_workload, sd15_workload, smooth_time_response
 
     start_load = os.getloadavg()
     rows = []
@@ -142,9 +132,8 @@ def main() -> None:
         net = work.model.get_model_object("diffusion_model")
         for variant in ("as initialised", "smooth"):
             if variant == "smooth":
-                kept = smooth_time_response(net)
-                variant += f" (sinusoids up to {SMOOTH_TIME_CUTOFF} rad/unit: {kept} of " \
-                           f"{first_time_layer(net).weight.shape[1] // 2})"
+                kept, total = smooth_time_response(net)
+                variant += f" (sinusoids up to {SMOOTH_TIME_CUTOFF} rad/unit: {kept} of {total})"
             stats = summary(record(work, name))
             print(name, variant, stats, flush=True)
             size = args.sd15_size if name == "sd15" else args.flux_size
