@@ -6,7 +6,7 @@ export PY
 # INT8_ACCEL_SKIP_BROWSER=1 is the one explicit opt-out: the set-up is not attempted and those tests skip
 # with that reason in pytest's summary.
 
-.PHONY: setup setup-browser test test-kernels test-floor test-inprocess test-server test-gpu demo bench lint checkpoint
+.PHONY: setup setup-browser test test-kernels test-floor test-inprocess test-server test-gpu gpu-bundle gpu-run demo bench lint checkpoint
 
 # The kernel tier (tests/support/tiers.py): tests of kernels/ alone, which run without importing ComfyUI.
 KERNEL_TESTS = tests/test_kernels*.py
@@ -52,6 +52,14 @@ test-gpu: setup
 	@$(PY) -m harness.cuda_check
 	@INT8_ACCEL_TESTS_ON_GPU=1 TRITON_INTERPRET=0 $(PY) -m pytest tests/gpu -q -m gpu
 	@$(PY) bench/bench_gpu.py
+
+# What a GPU machine without network lacks for scripts/gpu_run.sh (ComfyUI, torchsde, comfy-kitchen), in the
+# git-ignored .gpu-bundle/; and the whole GPU run in one command on a machine with a CUDA torch (docs/gpu.md).
+gpu-bundle:
+	@bash scripts/gpu_bundle.sh
+
+gpu-run:
+	@bash scripts/gpu_run.sh
 
 demo: setup
 	@$(PY) -m scripts.demo

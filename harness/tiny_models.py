@@ -10,17 +10,24 @@ def _fill_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
 
     The diffusion model's float buffers are checkpoint data too (SD3's `pos_embed` is `torch.empty` until a
     state dict fills it), so they get N(0, 0.02) as well; buffers elsewhere (sigma schedules) are computed."""
-    gen = torch.Generator().manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def randn(like: torch.Tensor) -> torch.Tensor:
+        # drawn where the tensor lives: a full-size model built on a GPU is filled there in a second
+        if like.device not in generators:
+            generators[like.device] = torch.Generator(like.device).manual_seed(seed)
+        return torch.randn(like.shape, generator=generators[like.device], device=like.device)
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             if param.ndim == 1:
                 param.fill_(1.0 if leaf in ("weight", "scale") else 0.0)
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+                param.copy_(randn(param) * std)
         for buf in model.diffusion_model.buffers():
             if buf.is_floating_point():
-                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.02)
+                buf.copy_(randn(buf) * 0.02)
 
 
 UNET_TINY = {
@@ -174,23 +181,26 @@ def detect_tiny(monkeypatch, kind: str) -> None:
                         lambda sd, prefix, use_base_if_no_match=False, metadata=None: tiny_model_config(kind))
 
 
-def build_random_model(cfg, seed: int = 0, weight_std: float = 0.02, weight_dtype: torch.dtype | None = None):
+def build_random_model(cfg, seed: int = 0, weight_std: float = 0.02, weight_dtype: torch.dtype | None = None,
+                       device: torch.device | None = None):
     """A ModelPatcher around the model of ComfyUI model config `cfg`, fp32, random weights N(0, weight_std).
 
     `weight_dtype` stores the weights in that dtype as UNETLoader's `weight_dtype` does (e.g. fp8_e4m3fn): the
-    model computes in the manual-cast dtype ComfyUI picks for the device."""
+    model computes in the manual-cast dtype ComfyUI picks for the device. `device` builds and fills the weights
+    there (a full-size model on a GPU, in seconds) and keeps them there when ComfyUI offloads."""
     import comfy.model_management
     import comfy.model_patcher
 
-    device = comfy.model_management.get_torch_device()
+    load_device = comfy.model_management.get_torch_device()
     if weight_dtype is None:
         cfg.set_inference_dtype(torch.float32, None)
     else:  # comfy.sd.load_diffusion_model_state_dict with model_options {"dtype": weight_dtype}
         cfg.set_inference_dtype(weight_dtype, comfy.model_management.unet_manual_cast(
-            weight_dtype, device, cfg.supported_inference_dtypes))
-    base = cfg.get_model({})
+            weight_dtype, load_device, cfg.supported_inference_dtypes))
+    base = cfg.get_model({}, device=device)
     _fill_weights(base, seed, weight_std)
-    return comfy.model_patcher.ModelPatcher(base, load_device=device, offload_device=torch.device("cpu"))
+    offload_device = device if device is not None and device.type != "cpu" else torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(base, load_device=load_device, offload_device=offload_device)
 
 
 def build_tiny_model(kind: str = "sd15", seed: int = 0, weight_std: float = 0.02,

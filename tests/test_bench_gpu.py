@@ -28,3 +28,42 @@ def test_int8_layers_hold_their_weights_as_parameters(pack):
     conv = Int8Layer(kernels.int8_conv2d, cq, cs, cb, 1, 1)
     cx = torch.randn(2, 8, 10, 10)
     assert torch.equal(conv(cx), kernels.int8_conv2d(cx, cq, cs, cb, 1, 1))
+
+
+def test_layer_variants_are_prepared_before_timing_and_compared_like_with_like(pack, monkeypatch):
+    """bench_gpu's INT8 layer variants build their derived weights (the pack's weight cache) before they are
+    compiled or timed, never inside a compiled warm-up; a compiled INT8 layer is compared with a compiled fp16
+    one, an eager one with eager fp16. Checked on CPU tensors through the `cuda` kernel backend (torch._int_mm is
+    exact there), whose prepared weights are what a GPU run builds."""
+    import importlib.util
+
+    from comfyui_int8_accel import kernels
+    from comfyui_int8_accel.kernels.weight_cache import CACHE
+    from harness.comfy_host import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", REPO_ROOT / "bench" / "bench_gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    builds_when_compiled = []
+
+    def compile_stand_in(fn):  # records what was built by the time the layer would be compiled
+        builds_when_compiled.append(CACHE.builds.copy())
+        return fn
+
+    monkeypatch.setattr(bench_gpu, "_compiled", compile_stand_in)
+    assert bench_gpu.baseline_of("int8+compile") == "fp16+compile"
+    assert bench_gpu.baseline_of("int8") == "fp16" and bench_gpu.baseline_of("kitchen int8") == "fp16"
+    with kernels.force_kernel_backend("cuda"):
+        for kind, shape in (("linear", (24, 100, 36)), ("conv", (1, 4, 8, 8, 36, 3, 1))):
+            calls = bench_gpu._layer_calls(kind, shape, kernels, None, device=torch.device("cpu"),
+                                           dtype=torch.float32)
+            assert {"fp16", "fp16+compile", "int8", "int8+compile"} <= set(calls)
+            for variant in ("int8", "int8+compile"):
+                before = CACHE.builds.copy()
+                call = calls[variant]()
+                assert CACHE.builds - before, f"{kind} {variant}: derived weights not built before timing"
+                if variant == "int8+compile":
+                    assert builds_when_compiled[-1] - before, f"{kind}: built inside the compiled warm-up"
+                prepared = CACHE.builds.copy()
+                call()
+                assert CACHE.builds == prepared, f"{kind} {variant}: weights built while timed"

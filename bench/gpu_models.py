@@ -1,0 +1,315 @@
+"""Whole models on the GPU, the part of `bench/bench_gpu.py` that samples (`--part models`).
+
+The SDXL UNet and a Flux-dev-sized transformer at full size, built with random weights directly on the GPU from
+ComfyUI's own config classes (no file), sampled by ComfyUI's own sampler at 1024x1024, 20 euler steps, batch 1
+(CFG 7 for SDXL, a UNet batch of 2; Flux dev: CFG 1, guidance 3.5, 512 text tokens). Variants, each in the same
+process against plain bf16: Quantize Model (INT8) with the node's defaults, INT8 + DeepCache + Compile Model (the
+full stack), INT8 + Compile Model, DeepCache alone, plain fp16, and plain bf16 + Compile Model (compiled against
+compiled). Per variant: seconds per step (the timed 20-step run's sampling time over 20: DeepCache's cached and
+full steps alike), peak VRAM during it, the one-off cost before it (INT8: the first step, calibration included;
+compile: the warm-up run), how many layers ran INT8, and the PSNR of the final latent against plain bf16's. Random
+weights: the PSNR says how far a variant strays on these networks, not what a trained model's picture loses.
+
+A row is written to the output file as soon as it is measured, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from common import psnr
+
+STEPS = 20
+SIZE = 1024
+DRY_STEPS, DRY_SIZE = 3, 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    title: str
+    config: Callable[[bool], object]  # dry -> ComfyUI model config
+    conditioning: Callable[[bool, torch.device], tuple[list, list]]
+    latent_channels: int
+    cfg: float
+
+
+def _sdxl_config(dry: bool):
+    import comfy.supported_models as sm
+
+    from harness.tiny_models import tiny_model_config
+
+    if dry:
+        return tiny_model_config("sdxl")
+    return sm.SDXL({
+        "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+        "legacy": False, "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4,
+        "model_channels": 320, "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10],
+        "channel_mult": [1, 2, 4], "transformer_depth_middle": 10, "use_linear_in_transformer": True,
+        "context_dim": 2048, "num_head_channels": 64, "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10],
+        "use_temporal_attention": False, "use_temporal_resblock": False})  # fmt: skip
+
+
+def _flux_config(dry: bool):
+    import comfy.supported_models as sm
+
+    from harness.tiny_models import tiny_model_config
+
+    if dry:
+        return tiny_model_config("flux")
+    return sm.Flux({
+        "image_model": "flux", "in_channels": 16, "out_channels": 16, "patch_size": 2, "vec_in_dim": 768,
+        "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 19,
+        "depth_single_blocks": 38, "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True,
+        "guidance_embed": True})  # fmt: skip
+
+
+def _sdxl_conditioning(dry: bool, device: torch.device) -> tuple[list, list]:
+    gen = torch.Generator().manual_seed(1)
+
+    def one() -> list:
+        return [[torch.randn(1, 77, 2048, generator=gen),
+                 {"pooled_output": torch.randn(1, 1280, generator=gen), "width": SIZE, "height": SIZE}]]
+
+    return one(), one()
+
+
+def _flux_conditioning(dry: bool, device: torch.device) -> tuple[list, list]:
+    gen = torch.Generator().manual_seed(1)
+
+    def one() -> list:
+        return [[torch.randn(1, 8 if dry else 512, 4096, generator=gen),
+                 {"pooled_output": torch.randn(1, 768, generator=gen), "guidance": 3.5}]]
+
+    return one(), one()
+
+
+FAMILIES = {
+    "sdxl": Family("sdxl", "SDXL UNet (2.6 B parameters)", _sdxl_config, _sdxl_conditioning, 4, 7.0),
+    "flux": Family("flux", "Flux-dev-sized transformer (19 double + 38 single blocks, 11.9 B parameters)",
+                   _flux_config, _flux_conditioning, 16, 1.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    dtype: torch.dtype = torch.bfloat16
+    int8: bool = False
+    deepcache: bool = False
+    compile: bool = False
+
+
+# Most wanted first: a run cut at its time limit keeps these.
+VARIANTS = (
+    Variant("plain bf16"),
+    Variant("Quantize Model (INT8)", int8=True),
+    Variant("INT8 + DeepCache + Compile Model (stack)", int8=True, deepcache=True, compile=True),
+    Variant("INT8 + Compile Model", int8=True, compile=True),
+    Variant("DeepCache", deepcache=True),
+    Variant("plain fp16", dtype=torch.float16),
+    Variant("plain bf16 + Compile Model", compile=True),
+)
+
+
+@dataclasses.dataclass
+class Run:
+    seconds: float
+    step_seconds: float
+    peak_gib: float
+    latent: torch.Tensor
+    int8_calls: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sample(model, family: Family, steps: int, size: int, device: torch.device, dry: bool,
+            idle_bytes: int = 0) -> Run:
+    """One sampling run; its peak VRAM leaves out `idle_bytes` (models resident for other variants)."""
+    import comfy.sample
+
+    from comfyui_int8_accel.kernels import record_calls
+
+    positive, negative = family.conditioning(dry, device)
+    latent = torch.zeros(1, family.latent_channels, size // 8, size // 8)
+    noise = comfy.sample.prepare_noise(latent, 42)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode(), record_calls() as calls:
+        out = comfy.sample.sample(model, noise, steps, family.cfg, "euler", "normal", positive, negative, latent,
+                                  denoise=1.0, disable_pbar=True, seed=42)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated(device) - idle_bytes) / 2**30 if device.type == "cuda" else float("nan")
+    int8_calls = sum(n for (_, backend, path), n in calls.items() if path == "int8")
+    return Run(seconds, seconds / steps, peak, out.float().cpu(), int8_calls)
+
+
+def _build(family: Family, dtype: torch.dtype, device: torch.device, dry: bool):
+    from harness.tiny_models import build_random_model
+
+    cfg = family.config(dry)
+    return build_random_model(cfg, seed=0, weight_dtype=None if dry else dtype, device=device)
+
+
+def _weight_bytes(patcher) -> int:
+    return sum(t.numel() * t.element_size() for t in patcher.model.diffusion_model.state_dict().values())
+
+
+def _apply(base, variant: Variant):
+    from comfyui_int8_accel.nodes import compile as compile_core
+    from comfyui_int8_accel.nodes import deepcache
+    from comfyui_int8_accel.nodes import int8 as quant
+
+    model = base
+    if variant.int8:
+        model = quant.apply_int8(model, quant.settings_from_widgets())[0]
+    if variant.deepcache:
+        model = deepcache.apply_deepcache(model, cache_interval=3, cache_depth=1)
+    if variant.compile:
+        model = compile_core.compile_model(model, compile_core.CompileSettings())
+    return model
+
+
+def _int8_layers(model) -> str:
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+
+    plan = int8_plan(model)
+    if plan is None or plan.last_result is None:
+        return "-"
+    summary = [line for line in (plan.last_report or "").splitlines() if line.startswith("summary:")]
+    return summary[0].removeprefix("summary:").strip() if summary else "-"
+
+
+class Table:
+    """The markdown file, rewritten after every row."""
+
+    HEADER = ["variant", "s/step", "vs plain bf16", "peak VRAM GiB (weights + run)", "one-off s (what)", "INT8 calls",
+              "latent PSNR dB vs plain bf16", "INT8 layers (calibration summary)"]
+
+    def __init__(self, path: Path, intro: list[str]) -> None:
+        self.path, self.lines = path, list(intro)
+        self.write()
+
+    def section(self, title: str, notes: list[str]) -> None:
+        self.lines += ["", f"## {title}", "", *notes, "", "| " + " | ".join(self.HEADER) + " |",
+                       "|" + "---|" * len(self.HEADER)]  # fmt: skip
+        self.write()
+
+    def row(self, cells: list[str]) -> None:
+        self.lines.append("| " + " | ".join(cells) + " |")
+        print(self.lines[-1], flush=True)
+        self.write()
+
+    def note(self, text: str) -> None:
+        self.lines.append(text)
+        print(text, flush=True)
+        self.write()
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("\n".join(self.lines) + "\n")
+
+
+def _fmt_psnr(value: float) -> str:
+    if value != value:
+        return "nan (non-finite latent)"
+    return "identical" if value == float("inf") else f"{value:.1f}"
+
+
+def bench_family(family: Family, table: Table, device: torch.device, dry: bool) -> None:
+    steps, size = (DRY_STEPS, DRY_SIZE) if dry else (STEPS, SIZE)
+    bases: dict[torch.dtype, object] = {}
+    built: dict[torch.dtype, str] = {}
+
+    def base(dtype: torch.dtype):
+        if dtype not in bases:
+            start = time.perf_counter()
+            bases[dtype] = _build(family, dtype, device, dry)
+            _sync(device)
+            params = sum(p.numel() for p in bases[dtype].model.diffusion_model.parameters()) / 1e9
+            built[dtype] = (f"built in {str(dtype).removeprefix('torch.')} on {device}: {params:.2f} B parameters in "
+                            f"{time.perf_counter() - start:.1f} s")
+        return bases[dtype]
+
+    base(torch.bfloat16)
+    table.section(f"{family.title}, {size}x{size}, {steps} steps", [
+        f"CFG {family.cfg:g}; euler / normal; seed 42; random weights N(0, 0.02), {built[torch.bfloat16]}."])
+    reference: Run | None = None
+    for variant in VARIANTS:
+        model = one_off = None
+        try:
+            new_base = variant.dtype not in bases
+            model = _apply(base(variant.dtype), variant)
+            if new_base:
+                one_off = built[variant.dtype]
+            if variant.compile:
+                warm = _sample(model, family, 3, size, device, dry)
+                one_off = f"{warm.seconds:.1f} (compile warm-up, 3 steps)"
+            elif variant.int8:
+                warm = _sample(model, family, 1, size, device, dry)
+                one_off = f"{warm.seconds:.1f} (first step, calibration included)"
+            else:  # cuBLAS and the allocator warm, outside the timing
+                _sample(model, family, 1, size, device, dry)
+            idle = sum(_weight_bytes(other) for dtype, other in bases.items() if dtype != variant.dtype)
+            run = _sample(model, family, steps, size, device, dry, idle_bytes=idle)
+        except Exception as exc:  # noqa: BLE001 - one variant failing is reported; the others still run
+            table.row([variant.name, f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}",
+                       *["-"] * (len(Table.HEADER) - 2)])
+            continue
+        finally:
+            gc.collect()
+        if reference is None:
+            reference = run
+        table.row([variant.name, f"{run.step_seconds:.4f}", f"{reference.step_seconds / run.step_seconds:.2f}x",
+                   f"{run.peak_gib:.1f}", one_off or "-", str(run.int8_calls),
+                   "reference" if run is reference else _fmt_psnr(psnr(run.latent, reference.latent)),
+                   _int8_layers(model) if variant.int8 else "-"])
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bases.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_models(families: list[str], out: Path, dry: bool) -> int:
+    if not dry:
+        from harness.comfy_host import ON_GPU_ENV
+
+        os.environ[ON_GPU_ENV] = "1"  # ComfyUI picks the GPU instead of being forced to the CPU
+    os.environ.setdefault("INT8_ACCEL_CACHE_DIR", str(out.parent / ".int8-cache"))
+    from harness.comfy_host import import_comfy, load_pack
+
+    import_comfy()
+    load_pack()
+    import comfy.model_management
+
+    from comfyui_int8_accel import kernels
+
+    device = comfy.model_management.get_torch_device()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run, tiny models)"
+    table = Table(out, [f"# Whole models on {name}: plain vs Quantize Model (INT8), DeepCache, Compile Model", "",
+                        f"- torch {torch.__version__}; INT8 kernel backend `{kernels.kernel_backend_for(device)}`; "
+                        f"{time.strftime('%Y-%m-%d')}; bench/gpu_models.py.",
+                        "- s/step: the timed run's sampling seconds over its steps (after the one-off run); "
+                        "vs plain bf16: its s/step over this row's.",
+                        "- INT8 calls: INT8 kernel calls during the timed run (0 means no layer ran INT8).",
+                        "- Random weights: PSNR shows how far a variant strays on these networks, not the "
+                        "quality a trained model keeps."])  # fmt: skip
+    for family in families:
+        bench_family(FAMILIES[family], table, device, dry)
+    return 0
