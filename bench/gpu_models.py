@@ -228,7 +228,8 @@ def _fmt_psnr(value: float) -> str:
     return "identical" if value == float("inf") else f"{value:.1f}"
 
 
-def bench_family(family: Family, table: Table, device: torch.device, dry: bool) -> None:
+def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
+                 variants: tuple[Variant, ...] = VARIANTS) -> None:
     steps, size = (DRY_STEPS, DRY_SIZE) if dry else (STEPS, SIZE)
     bases: dict[torch.dtype, object] = {}
     built: dict[torch.dtype, str] = {}
@@ -247,7 +248,7 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool) 
     table.section(f"{family.title}, {size}x{size}, {steps} steps", [
         f"CFG {family.cfg:g}; euler / normal; seed 42; random weights N(0, 0.02), {built[torch.bfloat16]}."])
     reference: Run | None = None
-    for variant in VARIANTS:
+    for variant in variants:
         model = one_off = None
         try:
             new_base = variant.dtype not in bases
@@ -286,7 +287,8 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool) 
         torch.cuda.empty_cache()
 
 
-def run_models(families: list[str], out: Path, dry: bool) -> int:
+def run_models(families: list[str], out: Path, dry: bool, variant_names: list[str] | None = None) -> int:
+    """`variant_names`: a subset of VARIANTS by name (default all); plain bf16 always runs first, as the reference."""
     if not dry:
         from harness.comfy_host import ON_GPU_ENV
 
@@ -310,6 +312,8 @@ def run_models(families: list[str], out: Path, dry: bool) -> int:
                         "- INT8 calls: INT8 kernel calls during the timed run (0 means no layer ran INT8).",
                         "- Random weights: PSNR shows how far a variant strays on these networks, not the "
                         "quality a trained model keeps."])  # fmt: skip
+    chosen = VARIANTS if not variant_names else tuple(
+        v for v in VARIANTS if v is VARIANTS[0] or v.name in variant_names)
     for family in families:
-        bench_family(FAMILIES[family], table, device, dry)
+        bench_family(FAMILIES[family], table, device, dry, chosen)
     return 0

@@ -1,0 +1,156 @@
+"""Where an INT8 layer's time goes on a GPU: each piece of the `triton` kernel backend's Linear and conv timed
+alone against the fp16/bf16 layer, the host time per call, and the kernels one call launches.
+
+Per shape, median microseconds (CUDA events, after warm-up) of: the float layer; `torch._int_mm` alone on
+already-quantized inputs (the INT8 tensor-core floor for this shape); the activation quantizer; the rescale
+epilogue; the whole INT8 op through `kernels.int8_linear` (dispatch included) and the backend's own function
+(no dispatch); and the host's microseconds to enqueue one call (100 calls, no sync). Then torch.profiler's list of
+the CUDA kernels one whole call runs. Writes the table to --out.
+
+    python bench/gpu_int8_breakdown.py [--out FILE]
+"""
+
+# ruff: noqa: B023 - every lambda here is timed at once, inside the iteration that binds its variables
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+LINEAR_SHAPES = [(8192, 640, 640), (2048, 1280, 1280), (2048, 1280, 10240), (4608, 3072, 3072),
+                 (4608, 3072, 12288), (4608, 12288, 3072)]  # fmt: skip
+CONV_SHAPES = [(2, 320, 128, 128, 320), (2, 1280, 32, 32, 1280)]
+
+
+def median_us(fn: Callable[[], object], reps: int = 30) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def host_us(fn: Callable[[], object], calls: int = 100) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def kernel_list(fn: Callable[[], object]) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us and event.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append(f"{event.key[:70]} {device_us:.1f} us x{event.count}")
+    return "; ".join(rows) or "-"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "gpu_int8_breakdown.md")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_int8_breakdown: no CUDA device here")
+        return 0
+    from harness.comfy_host import load_pack
+
+    load_pack()
+    from comfyui_int8_accel import kernels
+    from comfyui_int8_accel.kernels import cuda as cuda_backend
+    from comfyui_int8_accel.kernels import triton_backend, triton_kernels
+
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device("cuda")
+    lines = [f"# INT8 layer breakdown on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, {dtype}", "",
+             "Median us per call (CUDA events); host us: enqueue time per call, 100 calls without sync.", "",
+             "| linear M x K x N | float | _int_mm alone | quantize rows | rescale | int8 op (dispatch) | "
+             "backend fn | host us: float / int8 op |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    kernels_seen = []
+
+    def write() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines + ["", "## CUDA kernels of one call", ""] + kernels_seen) + "\n")
+
+    for m, k, n in LINEAR_SHAPES:
+        try:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            w = torch.randn(n, k, device=dev, dtype=dtype) / k**0.5
+            b = torch.randn(n, device=dev, dtype=dtype)
+            q, s = kernels.quantize_weight_per_channel(w.float(), 127)
+            wp = cuda_backend.prepared_linear_weight(q)
+            xq, row_scale = triton_kernels.quantize_rows(x)
+            acc = cuda_backend.int_mm_padded(xq, wp, n)
+            cells = [median_us(lambda: F.linear(x, w, b)),
+                     median_us(lambda: torch._int_mm(xq, wp.t())),
+                     median_us(lambda: triton_kernels.quantize_rows(x)),
+                     median_us(lambda: triton_kernels.rescale(acc, row_scale, s, b, dtype)),
+                     median_us(lambda: kernels.int8_linear(x, q, s, b)),
+                     median_us(lambda: triton_backend.linear(x, q, s, b))]
+            host = (host_us(lambda: F.linear(x, w, b)), host_us(lambda: kernels.int8_linear(x, q, s, b)))
+            lines.append(f"| {m}x{k}x{n} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {host[0]:.1f} / {host[1]:.1f} |")
+            kernels_seen.append(f"- linear {m}x{k}x{n}: {kernel_list(lambda: kernels.int8_linear(x, q, s, b))}")
+        except Exception as exc:  # noqa: BLE001
+            lines.append(f"| {m}x{k}x{n} | failed: {type(exc).__name__}: {' '.join(str(exc).split())[:150]} |")
+        print(lines[-1], flush=True)
+        write()
+
+    lines += ["", "| conv B x Cin x H x W x Cout, 3x3 | float | quantize affine | conv kernel | int8 op (dispatch) | "
+              "host us: float / int8 op |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for bsz, cin, h, w_, cout in CONV_SHAPES:
+        try:
+            x = torch.randn(bsz, cin, h, w_, device=dev, dtype=dtype)
+            w = torch.randn(cout, cin, 3, 3, device=dev, dtype=dtype) / (cin * 9) ** 0.5
+            b = torch.randn(cout, device=dev, dtype=dtype)
+            q, s = kernels.quantize_weight_per_channel(w.float(), 127)
+            sums = cuda_backend.weight_column_sums(q)
+            xq, zp, xs = triton_kernels.quantize_affine(x)
+            cells = [median_us(lambda: F.conv2d(x, w, b, 1, 1)),
+                     median_us(lambda: triton_kernels.quantize_affine(x)),
+                     median_us(lambda: triton_kernels.conv2d_int8(xq, zp, xs, q, sums, s, b, [1, 1], [1, 1], [1, 1], 1,
+                                                                  dtype)),
+                     median_us(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1))]
+            host = (host_us(lambda: F.conv2d(x, w, b, 1, 1)), host_us(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1)))
+            lines.append(f"| {bsz}x{cin}x{h}x{w_}x{cout} | " + " | ".join(f"{c:.1f}" for c in cells)
+                         + f" | {host[0]:.1f} / {host[1]:.1f} |")
+            kernels_seen.append(f"- conv {bsz}x{cin}x{h}x{w_}x{cout}: "
+                                f"{kernel_list(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1))}")
+        except Exception as exc:  # noqa: BLE001
+            lines.append(f"| {bsz}x{cin}x{h}x{w_}x{cout} | failed: {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:150]} |")
+        print(lines[-1], flush=True)
+        write()
+    print("\n".join(kernels_seen))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
