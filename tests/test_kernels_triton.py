@@ -36,6 +36,7 @@ from comfyui_int8_accel.kernels import (  # noqa: E402
 )
 from comfyui_int8_accel.kernels import cuda as cuda_backend  # noqa: E402
 from comfyui_int8_accel.kernels import triton_kernels as _triton_kernels  # noqa: E402
+from tests.support.triton_offsets import OFFSET_CHECKS  # noqa: E402
 from tests.support.triton_toolchain import compiled_triton_on_cuda  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -233,66 +234,9 @@ def test_conv_triton_equals_cuda_backend(tk, x_shape, cout, kernel, stride, padd
     assert normalized_mse(y, outs["reference"]) < 1e-12
 
 
-# Element offsets past 2**31 without a tensor that size to compute on: a large tensor's memory is only reserved
-# (the kernels read and write a few of its elements, so only those pages are ever touched). An int32 offset past
-# 2**31 wraps by 2**32, so the kernels would read or write another element of the same storage.
-INT32_WRAP = 2**32
-
-
-def _reserved(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    try:
-        return torch.empty(numel, dtype=dtype)
-    except RuntimeError as exc:  # the OS refuses to reserve that much address space
-        pytest.skip(f"cannot reserve {numel} elements: {exc}")
-
-
-def test_conv_reads_a_batch_past_2_31_elements(tk):
-    """Batch 1 of a [2, 1, 65536, 65536] input starts 2**32 elements in; a 1x1 conv with stride 65536 reads one
-    element per batch. In int32 batch 1's offset wraps to 0, batch 0's element."""
-    side = 65536
-    x_q = _reserved(2 * side * side, torch.int8).view(2, 1, side, side)
-    x_q[0, 0, 0, 0], x_q[1, 0, 0, 0] = 10, -20
-    q_weight = torch.tensor([3, -5], dtype=torch.int8).view(2, 1, 1, 1)
-    col_sum = q_weight.view(2, 1).sum(1, dtype=torch.int32)
-    w_scale = torch.tensor([0.5, 0.25])
-    zero_point, scale = torch.zeros((), dtype=torch.int32), torch.tensor(0.125)
-    y = tk.conv2d_int8(x_q, zero_point, scale, q_weight, col_sum, w_scale, None, [side, side], [0, 0], [1, 1], 1,
-                       torch.float32)  # fmt: skip
-    expected = torch.tensor([10.0, -20.0])[:, None] * (q_weight.view(1, 2) * 0.125 * w_scale)
-    assert torch.equal(y.view(2, 2), expected)
-
-
-def test_row_quantizer_reads_rows_past_2_31_elements(tk):
-    """Rows 2**30 elements apart: row 2 starts 2**31 in, where an int32 offset wraps to -2**31 (still inside this
-    storage, which begins 2**31 elements before x)."""
-    k, stride = 48, 2**30
-    storage = _reserved(INT32_WRAP + k, torch.float16)
-    x = storage[2**31:]
-    rows = torch.randn(3, k).half() * torch.tensor([[1.0], [2.0], [3.0]]).half()
-    for r in range(3):
-        x[r * stride:r * stride + k] = rows[r]
-    storage[:k] = 100.0  # what row 2 would read with int32 offsets
-    q = torch.empty((3, k), dtype=torch.int8)
-    scale = torch.empty(3, dtype=torch.float32)
-    grid = lambda meta: (tk.triton.cdiv(3, meta["BLOCK_M"]),)  # noqa: E731
-    tk._quantize_rows_kernel[grid](x, q, scale, 3, k, stride, k, **tk.EXACT)
-    q_ref, scale_ref = quant.quantize_rows_symmetric(rows)
-    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
-
-
-def test_rescale_writes_rows_past_2_31_elements(tk):
-    """The epilogue's output rows 2**30 elements apart: row 2 lands 2**31 in, not wrapped to -2**31."""
-    n, stride = 40, 2**30
-    storage = _reserved(INT32_WRAP + n, torch.float16)
-    storage[:n] = -1.0
-    out = storage[2**31:]
-    acc = torch.arange(3 * n, dtype=torch.int32).view(3, n)
-    row_scale, col_scale = torch.tensor([0.5, 0.25, 0.125]), torch.full((n,), 0.5)
-    grid = lambda meta: (tk.triton.cdiv(3, meta["BLOCK_M"]), tk.triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
-    tk._rescale_kernel[grid](acc, row_scale, col_scale, col_scale, out, 3, n, n, stride, HAS_BIAS=False, **tk.EXACT)
-    expected = (acc * row_scale[:, None] * col_scale).half()
-    assert torch.equal(torch.stack([out[r * stride:r * stride + n] for r in range(3)]), expected)
-    assert bool((storage[:n] == -1.0).all())
+@pytest.mark.parametrize("check", OFFSET_CHECKS, ids=lambda check: check.__name__)
+def test_offsets_past_2_31_elements_are_not_wrapped(tk, check):
+    check(tk, torch.device("cpu"))
 
 
 def test_cuda_tensors_go_to_triton_or_to_cuda_without_it(tk, monkeypatch):
