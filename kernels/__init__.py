@@ -8,8 +8,9 @@ after `set_linear_activation_granularity("tensor")`), per tensor (affine uint8) 
 `int8_linear` / `int8_conv2d` go through the `torch.ops.int8_accel.linear` / `.conv2d` custom ops (fake kernels
 registered: torch.compile traces them with fullgraph=True), which dispatch to one of `KERNEL_BACKENDS`:
 "reference" (plain PyTorch), "cpu" (oneDNN), "cuda" (`torch._int_mm` + torch ops), "triton" (Triton kernels +
-`torch._int_mm`). `kernel_backend_for(device)` says which one serves a device, `force_kernel_backend(name)` overrides it in
-the current thread, `record_calls()` counts which backend and path ("int8" or "float") served each call, and
+`torch._int_mm`). `kernel_backend_for(device)` says which one serves a device, `kernel_backend_fallback(device)`
+why it is not the first choice there (e.g. Triton without a C compiler), `force_kernel_backend(name)` overrides
+it in the current thread, `record_calls()` counts which backend and path ("int8" or "float") served each call, and
 `runs_in_float(op, x_shape, weight_shape, device, ...)` says beforehand which path a call of given shapes takes
 (the cpu backend computes calls below its size floor in float with the dequantized weight).
 
@@ -39,6 +40,7 @@ from .policy import (
     KernelBackendUnavailableError,
     force_kernel_backend,
     forced_kernel_backend,
+    kernel_backend_fallback,
     kernel_backend_for,
     kernel_backend_unavailable_reason,
     weight_bits,
@@ -72,6 +74,7 @@ __all__ = [
     "KERNEL_BACKENDS",
     "KernelBackendUnavailableError",
     "CompiledOrEager",
+    "kernel_backend_fallback",
     "kernel_backend_for",
     "kernel_backend_unavailable_reason",
     "compute_density",

@@ -76,6 +76,18 @@ def kernel_backend_for(device: torch.device | str) -> str:
     return "reference"
 
 
+# The backend `kernel_backend_for` picks first on each device type, where it can run.
+FIRST_CHOICE: dict[str, str] = {"cuda": "triton", "cpu": "cpu"}
+
+
+def kernel_backend_fallback(device: torch.device | str) -> dict[str, str]:
+    """{first choice: why it cannot run here} when `kernel_backend_for(device)` falls back from the backend it picks
+    first on that device type ("triton" on CUDA, "cpu" on the CPU), else {} (also when a backend is forced)."""
+    first = FIRST_CHOICE.get(torch.device(device).type)
+    if _local.forced != AUTO or first is None:
+        return {}
+    reason = KERNEL_BACKEND_MODULES[first].available()
+    return {} if reason is None else {first: reason}
 
 
 def weight_bits(device: torch.device | str) -> int:

@@ -3,7 +3,8 @@ the conv), the rescale epilogue and the INT8 conv, `torch._int_mm` for the Linea
 
 Its quantization formulas are the reference's, written so the kernels reproduce them bit for bit: its results
 equal the `cuda` backend's exactly. Without a GPU it runs only under TRITON_INTERPRET=1 (set before triton is
-first imported), on CPU tensors. triton itself is imported on first use, not with the package.
+first imported), on CPU tensors. Compiled, it also needs a C compiler and Python.h (`triton_toolchain`). triton
+itself is imported on first use, not with the package.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from types import ModuleType
 
 import torch
 
+from . import triton_toolchain
 from .cuda import int_mm_padded, prepared_linear_weight, weight_column_sums
 
 
@@ -27,9 +29,11 @@ def available() -> str | None:
         return "triton is not importable"
     if triton_kernels.TOO_OLD:
         return triton_kernels.TOO_OLD
-    if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
+    if triton_kernels.INTERPRETED:
+        return None
+    if not torch.cuda.is_available():
         return "Triton needs a CUDA GPU (or TRITON_INTERPRET=1 set before triton is first imported)"
-    return None
+    return triton_toolchain.missing_build_tools()
 
 
 def prepare_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -76,20 +76,23 @@ if AVAILABLE:
         # Same formula as quant.quantize_rows_symmetric: q = clamp(floor(x * (127 / amax) + 0.5), -127, 127).
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
+        # Row offsets in int64: M * K passes 2**31 for long token sequences (video); a row's K columns fit int32.
+        x_rows = rows.to(tl.int64) * stride_xm
+        q_rows = rows.to(tl.int64) * stride_qm
         cols = tl.arange(0, BLOCK_K)
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = row_mask[:, None] & ((k0 + cols) < K)[None, :]
-            v = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(x_ptr + x_rows[:, None] + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
         safe = tl.where(amax > 0, amax, 1.0)
         inv_scale = tl.math.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), safe)
         for k0 in range(0, K, BLOCK_K):
             mask = row_mask[:, None] & ((k0 + cols) < K)[None, :]
-            v = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(x_ptr + x_rows[:, None] + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
             q = tl.floor(v * inv_scale[:, None] + 0.5)
             q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-            tl.store(q_ptr + rows[:, None] * stride_qm + (k0 + cols)[None, :], q.to(tl.int8), mask=mask)
+            tl.store(q_ptr + q_rows[:, None] + (k0 + cols)[None, :], q.to(tl.int8), mask=mask)
         tl.store(scale_ptr + rows, tl.math.div_rn(safe, tl.full([BLOCK_M], 127.0, tl.float32)), mask=row_mask)
 
     @triton.autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_N": 128}, 4), [
@@ -101,13 +104,14 @@ if AVAILABLE:
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows < M)[:, None] & (cols < N)[None, :]
-        acc = tl.load(acc_ptr + rows[:, None] * stride_am + cols[None, :], mask=mask, other=0)
+        rows64 = rows.to(tl.int64)  # M * N passes 2**31 for long token sequences
+        acc = tl.load(acc_ptr + (rows64 * stride_am)[:, None] + cols[None, :], mask=mask, other=0)
         row_scale = tl.load(row_scale_ptr + rows, mask=rows < M, other=0.0)
         col_scale = tl.load(col_scale_ptr + cols, mask=cols < N, other=0.0)
         y = acc.to(tl.float32) * row_scale[:, None] * col_scale[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + (rows64 * stride_om)[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_K": 64}, 4), [
         ({"BLOCK_M": 64, "BLOCK_K": 32}, 4), ({"BLOCK_M": 64, "BLOCK_K": 64}, 4),
@@ -132,9 +136,14 @@ if AVAILABLE:
         n_mask = offs_n < C_out_g
         b_idx = offs_m // (H_out * W_out)
         pix = offs_m % (H_out * W_out)
-        oh = pix // W_out
-        ow = pix % W_out
+        ih0 = (pix // W_out) * stride_h - pad_h
+        iw0 = (pix % W_out) * stride_w - pad_w
         co = group * C_out_g + offs_n
+        # Element offsets in int64 (a video latent's batch passes 2**31 elements), split into a part per row (the
+        # input element under the output pixel's first tap) and a part per column (channel and tap): per tile
+        # only one int64 add per element. Indices (pixels, taps, channels) and the weight's offsets (C_out x K
+        # elements) stay int32: each is far below 2**31.
+        x_rows = ((b_idx.to(tl.int64) * C_in + group * C_in_g) * H + ih0) * W + iw0
         x_zero_point = tl.load(x_zero_point_ptr)
         x_scale = tl.load(x_scale_ptr)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
@@ -143,12 +152,14 @@ if AVAILABLE:
             k_mask = offs_k < K
             c = offs_k // (KH * KW)
             tap = offs_k % (KH * KW)
-            ih = oh[:, None] * stride_h - pad_h + (tap // KW)[None, :] * dil_h
-            iw = ow[:, None] * stride_w - pad_w + (tap % KW)[None, :] * dil_w
+            dh = (tap // KW) * dil_h
+            dw = (tap % KW) * dil_w
+            ih = ih0[:, None] + dh[None, :]
+            iw = iw0[:, None] + dw[None, :]
             inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             load_mask = m_mask[:, None] & k_mask[None, :] & inside
-            x_offsets = ((b_idx[:, None] * C_in + group * C_in_g + c[None, :]) * H + ih) * W + iw
-            a = tl.load(x_ptr + x_offsets, mask=load_mask, other=0)
+            x_cols = (c.to(tl.int64) * H + dh) * W + dw
+            a = tl.load(x_ptr + x_rows[:, None] + x_cols[None, :], mask=load_mask, other=0)
             # Zero padding is the quantized value of 0.0, i.e. the zero point; its contribution is removed
             # below with the full weight column sums, so the int32 result is exact.
             a = tl.where(inside, a, x_zero_point).to(tl.int8)
@@ -160,8 +171,9 @@ if AVAILABLE:
         y = acc.to(tl.float32) * (x_scale * w_scale)[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + co, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out_offsets = (b_idx[:, None] * C_out + co[None, :]) * (H_out * W_out) + pix[:, None]
-        tl.store(out_ptr + out_offsets, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        out_rows = b_idx.to(tl.int64) * C_out * (H_out * W_out) + pix
+        out_cols = co.to(tl.int64) * (H_out * W_out)
+        tl.store(out_ptr + out_rows[:, None] + out_cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
     @triton.jit
@@ -182,7 +194,8 @@ if AVAILABLE:
     def _affine_range_kernel(x_ptr, partial_ptr, N, C, programs, PARTIALS: tl.constexpr, BLOCK: tl.constexpr):
         # partial_ptr: [2, PARTIALS] float32, row 0 min(x, 0) and row 1 max(x, 0) of this program's elements.
         pid = tl.program_id(0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        # int64: start + offs runs past N, which may be just below 2**31.
+        offs = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         lo = tl.zeros([BLOCK], dtype=tl.float32)
         hi = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, N, programs * BLOCK):  # host-side bounds: the interpreter takes no tensor here
@@ -208,7 +221,7 @@ if AVAILABLE:
         zero_point = _round_half_even(tl.math.div_rn(-lo, scale))
         zero_point = tl.minimum(tl.maximum(zero_point, 0.0), 255.0)
         inv_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        offs = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # as in _affine_range_kernel
         for start in range(0, N, programs * BLOCK):
             mask = start + offs < N
             v = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)

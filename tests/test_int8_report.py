@@ -10,8 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_int8_accel.kernels import kernel_backend_unavailable_reason, record_calls
+from comfyui_int8_accel.kernels import (
+    kernel_backend_fallback,
+    kernel_backend_for,
+    kernel_backend_unavailable_reason,
+    record_calls,
+)
+from comfyui_int8_accel.nodes.int8.calibration import CalibrationResult
+from comfyui_int8_accel.nodes.int8.report import format_report
+from comfyui_int8_accel.nodes.int8.settings import QuantizeSettings
 from harness.tiny_models import build_tiny_model, sample
+from tests.support.triton_toolchain import compiled_triton_on_cuda
 from tests.support.workflows_common import PENDING, report_table_rows
 
 PICTURE_SIZE = (512, 768)  # height, width
@@ -87,6 +96,21 @@ def _measured(node, model):
     quantized, _, _ = run_node(node, model, **ALL_INT8)
     sample(quantized, "sd15", steps=2)
     return int8_plan(quantized).last_result.layers
+
+
+def test_report_says_triton_was_not_used_and_why(monkeypatch, tmp_path):
+    """A CUDA machine without a C compiler: the INT8 layers run on the `cuda` kernel backend, and the report (as
+    calibration records it and its cache gives it back) says Triton was not used, naming what is missing."""
+    compiled_triton_on_cuda(monkeypatch, tmp_path, compiler=False, header=True)
+    recorded = CalibrationResult(key="k", shape=[1, 4, 8, 8], layers=[], kernel_backend=kernel_backend_for("cuda"),
+                                 kernel_backend_fallback=kernel_backend_fallback("cuda"), weight_bits=8)
+    result = CalibrationResult.from_json(recorded.to_json())
+    summary, *paragraphs = format_report(result, QuantizeSettings(), {}).split("\n\n")
+    assert "cuda kernel backend, 8-bit weights (triton unavailable)" in summary
+    why = [p for p in paragraphs if p.startswith("triton kernel backend not used: ")]
+    assert len(why) == 1, paragraphs
+    assert "no C compiler (CC is unset and neither gcc nor clang is on PATH)" in why[0]
+    assert why[0].endswith("The cuda kernel backend ran the INT8 layers instead.")
 
 
 def test_decision_picture_changes_with_the_decision_and_keeps_its_size(comfy_root, node):

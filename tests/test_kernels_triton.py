@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -26,6 +27,7 @@ from comfyui_int8_accel.kernels import (  # noqa: E402
     force_kernel_backend,
     int8_conv2d,
     int8_linear,
+    kernel_backend_fallback,
     kernel_backend_for,
     normalized_mse,
     quant,
@@ -34,6 +36,8 @@ from comfyui_int8_accel.kernels import (  # noqa: E402
 )
 from comfyui_int8_accel.kernels import cuda as cuda_backend  # noqa: E402
 from comfyui_int8_accel.kernels import triton_kernels as _triton_kernels  # noqa: E402
+from tests.support.triton_offsets import OFFSET_CHECKS  # noqa: E402
+from tests.support.triton_toolchain import compiled_triton_on_cuda  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QMAX = {8: 127, 7: 63}
@@ -230,6 +234,11 @@ def test_conv_triton_equals_cuda_backend(tk, x_shape, cout, kernel, stride, padd
     assert normalized_mse(y, outs["reference"]) < 1e-12
 
 
+@pytest.mark.parametrize("check", OFFSET_CHECKS, ids=lambda check: check.__name__)
+def test_offsets_past_2_31_elements_are_not_wrapped(tk, check):
+    check(tk, torch.device("cpu"))
+
+
 def test_cuda_tensors_go_to_triton_or_to_cuda_without_it(tk, monkeypatch):
     assert kernel_backend_for("cuda") == "triton"
     monkeypatch.setattr(tk, "AVAILABLE", False)
@@ -237,6 +246,46 @@ def test_cuda_tensors_go_to_triton_or_to_cuda_without_it(tk, monkeypatch):
     with pytest.raises(KernelBackendUnavailableError, match="triton is not importable"):
         with force_kernel_backend("triton"):
             pass
+
+
+NO_COMPILER = "no C compiler (CC is unset and neither gcc nor clang is on PATH)"
+
+
+@pytest.mark.parametrize(
+    "gcc_on_path,cc,header,missing",
+    [(True, None, True, None), (False, "own", True, None), (False, None, True, NO_COMPILER),
+     (True, "/nonexistent/cc", True, "the C compiler CC='/nonexistent/cc' was not found"),
+     (True, None, False, "no Python.h in {include}"), (False, None, False, NO_COMPILER + " and no Python.h in {include}")],
+    ids=["present", "cc-set", "no-compiler", "cc-missing", "no-header", "neither"],
+)  # fmt: skip
+def test_compiled_triton_without_a_compiler_or_python_h_leaves_cuda_to_the_cuda_backend(
+        monkeypatch, tmp_path, gcc_on_path, cc, header, missing):  # fmt: skip
+    """Compiled Triton builds its launchers with a C compiler against Python.h: without them every Triton call
+    raises, so the choice falls back to `cuda`, naming what is missing."""
+    include = compiled_triton_on_cuda(monkeypatch, tmp_path, compiler=gcc_on_path, header=header)
+    if cc == "own":  # $CC names a compiler that is not on PATH
+        cc = tmp_path / "my-cc"
+        cc.write_text("#!/bin/sh\nexit 0\n")
+        cc.chmod(0o755)
+    if cc is not None:
+        monkeypatch.setenv("CC", str(cc))
+    if missing is None:
+        assert kernel_backend_for("cuda") == "triton"
+        assert kernel_backend_fallback("cuda") == {}
+        return
+    missing = missing.format(include=include)
+    assert kernel_backend_for("cuda") == "cuda"
+    reason = kernel_backend_fallback("cuda")["triton"]
+    assert reason.startswith("compiled Triton cannot build its kernel launchers: " + missing + ";"), reason
+    with pytest.raises(KernelBackendUnavailableError, match=re.escape(missing)):
+        with force_kernel_backend("triton"):
+            pass
+
+
+def test_the_interpreter_needs_no_compiler(tk, monkeypatch, tmp_path):
+    compiled_triton_on_cuda(monkeypatch, tmp_path, compiler=False, header=False)
+    monkeypatch.setattr(tk, "INTERPRETED", True)
+    assert kernel_backend_for("cuda") == "triton" and kernel_backend_fallback("cuda") == {}
 
 
 def test_package_imports_and_runs_without_triton():

@@ -71,6 +71,7 @@ class CalibrationResult:
     int8_flop_fraction: float = 0.0
     seconds: float = 0.0
     kernel_backend: str = ""  # the kernel backend that ran the INT8 layers
+    kernel_backend_fallback: dict[str, str] = field(default_factory=dict)  # first choice not used: why (kernels')
     kernel_calls: dict[str, int] = field(default_factory=dict)  # INT8 op calls of the checking step, by path
     memory: dict[str, int] = field(default_factory=dict)  # model_float_bytes, int8_bytes, calibration_peak_int8_bytes
     left_to_core: dict[str, str] = field(default_factory=dict)  # core-quantized layers in formats INT8 cannot take
@@ -97,6 +98,7 @@ class CalibrationResult:
         return cls(key=data["key"], shape=data["shape"], layers=layers, model_error=data.get("model_error"),
                    int8_flop_fraction=data.get("int8_flop_fraction", 0.0), seconds=data.get("seconds", 0.0),
                    kernel_backend=data.get("kernel_backend", data.get("backend", "")),  # "backend" before the rename
+                   kernel_backend_fallback=data.get("kernel_backend_fallback", {}),
                    kernel_calls=data.get("kernel_calls", {}),
                    memory=data.get("memory", {}), left_to_core=data.get("left_to_core", {}),
                    created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0))

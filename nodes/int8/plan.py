@@ -26,6 +26,7 @@ import torch
 
 from ...kernels import (
     compute_density,
+    kernel_backend_fallback,
     kernel_backend_for,
     normalized_mse,
     record_calls,
@@ -391,6 +392,7 @@ class Int8Plan:
         layers = [measurements[name] for name in candidates if name in measurements]
         result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers,
                                    kernel_backend=kernel_backend_for(args[0].device),
+                                   kernel_backend_fallback=kernel_backend_fallback(args[0].device),
                                    left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device))
         chosen = set(result.chosen)
         self._modules = {name: module for name, module in self._modules.items() if name in chosen}

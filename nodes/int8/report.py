@@ -37,7 +37,8 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
     if result.memory:
         parts.append(f"memory +{result.memory.get('int8_bytes', 0) / MIB:.1f} MiB")
     bits = f", {result.weight_bits}-bit weights" if result.weight_bits else ""
-    parts.append(f"{result.kernel_backend or 'unknown'} kernel backend{bits}")
+    passed_over = "".join(f" ({name} unavailable)" for name in result.kernel_backend_fallback)
+    parts.append(f"{result.kernel_backend or 'unknown'} kernel backend{bits}{passed_over}")
     parts.append("from the calibration cache" if from_cache else f"calibrated now ({result.seconds:.1f} s)")
     return " · ".join(parts)
 
@@ -46,6 +47,8 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
                   from_cache: bool = False) -> str:
     """The report: summary line, detail paragraphs, per-layer markdown table (`weight_bytes`: float bytes per layer)."""
     paragraphs = [summary_line(result, from_cache), _details_line(result, settings)]
+    paragraphs += [f"{name} kernel backend not used: {why}. The {result.kernel_backend} kernel backend ran the INT8 "
+                   f"layers instead." for name, why in result.kernel_backend_fallback.items()]
     chosen = [layer for layer in result.layers if layer.quantized]
     float_bytes = sum(weight_bytes.get(layer.name, 0) for layer in chosen)
     int8_bytes = sum(layer.k * layer.n + 4 * layer.n for layer in chosen)

@@ -1,7 +1,7 @@
 """The GPU suite (`make test-gpu`): the INT8 CUDA path on a real NVIDIA GPU.
 
 Kernel results against their definition and the reference at fp16/bf16, the Triton conv-input quantizer against
-the torch formula, weight-cache hits, no host sync in an
+the torch formula, Triton offsets past 2**31 elements, weight-cache hits, no host sync in an
 INT8 layer's forward (`torch.cuda.set_sync_debug_mode("error")`), CUDA-graph capture and replay of a quantized
 block (also after an in-place LoRA), and the Compile Model node's recompile counts across a LoRA strength
 change and two resolutions. It needs INT8_ACCEL_TESTS_ON_GPU=1 (set by `make test-gpu`) so that ComfyUI runs on the
@@ -34,6 +34,7 @@ from comfyui_int8_accel.kernels import (  # noqa: E402
 )
 from comfyui_int8_accel.kernels.weight_cache import CACHE  # noqa: E402
 from tests.support.int8_exact import run_on_backend  # noqa: E402
+from tests.support.triton_offsets import OFFSET_CHECKS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -67,6 +68,16 @@ def test_triton_runs_compiled():
         int8_linear(torch.randn(4, 64, device=DEVICE, dtype=torch.float16), q, s, b.half())
     expected = "triton" if importlib.util.find_spec("triton") is not None else "cuda"
     assert calls == {("linear", expected, "int8"): 1}
+
+
+@pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}")
+@pytest.mark.parametrize("check", OFFSET_CHECKS, ids=lambda check: check.__name__)
+def test_triton_offsets_past_2_31_elements_are_not_wrapped(check):
+    """Compiled, the kernels' int64 offsets reach elements past 2**31 (8 GiB of GPU memory per check)."""
+    from comfyui_int8_accel.kernels import triton_kernels
+
+    check(triton_kernels, DEVICE)
+    torch.cuda.empty_cache()
 
 
 # ---- kernels against their definition --------------------------------------------------------------------------
