@@ -222,3 +222,25 @@ def test_the_decision_is_made_once_per_layer(comfy_root, node, monkeypatch):
     result = int8_plan(quantized).last_result
     assert sorted(decided) == sorted(layer.name for layer in result.layers) and len(set(decided)) == len(decided)
     assert {layer.decision for layer in result.layers} == {"int8"}
+
+
+def test_summary_says_when_the_speed_gate_kept_every_layer_float():
+    """What the first H200 run showed: every layer that reached the speed gate was slower in INT8, so none ran in
+    INT8; the summary says so instead of claiming the gate was off."""
+    from comfyui_int8_accel.nodes.int8.calibration import SLOWER_IN_INT8, LayerMeasurement
+
+    def layer(name: str, decision: str, timed: bool) -> LayerMeasurement:
+        return LayerMeasurement(name=name, kind="linear", weight_shape=[640, 640], m=8192, k=640, n=640,
+                                density=500.0, error=1e-4, decision=decision, float_ms=0.03 if timed else None,
+                                int8_ms=0.19 if timed else None)
+
+    slower = CalibrationResult(key="k", shape=[2, 4, 128, 128], kernel_backend="triton",
+                               layers=[layer("a", SLOWER_IN_INT8, True), layer("b", SLOWER_IN_INT8, True)])
+    summary = format_report(slower, QuantizeSettings(), {}).split("\n\n")[0]
+    assert "0/2 layers in INT8" in summary
+    assert "every timed layer slower in INT8 on this device (2 kept float by the speed gate)" in summary
+    assert "speed gate off" not in summary
+    untimed = CalibrationResult(key="k", shape=[2, 4, 128, 128], kernel_backend="triton",
+                                layers=[layer("a", "int8", False)])
+    assert "INT8 layers not timed (speed gate off, or no layer reached it)" in format_report(
+        untimed, QuantizeSettings(), {}).split("\n\n")[0]

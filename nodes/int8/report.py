@@ -31,7 +31,7 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
         f"summary: {len(chosen)}/{len(result.layers)} layers in INT8 (linear {counts['linear']}/{totals['linear']}, "
         f"conv {counts['conv']}/{totals['conv']})",
         f"{100 * result.int8_flop_fraction:.1f}% of the model's FLOPs in INT8",
-        "INT8 layers not timed (speed gate off)" if speedup is None else f"INT8 layers {speedup:.2f}x faster",
+        _speed_part(result, speedup),
         "whole-model output norm. MSE " + ("-" if result.model_error is None else f"{result.model_error:.2e}"),
     ]
     if result.memory:
@@ -41,6 +41,15 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
     parts.append(f"{result.kernel_backend or 'unknown'} kernel backend{bits}{passed_over}")
     parts.append("from the calibration cache" if from_cache else f"calibrated now ({result.seconds:.1f} s)")
     return " · ".join(parts)
+
+
+def _speed_part(result: CalibrationResult, speedup: float | None) -> str:
+    if speedup is not None:
+        return f"INT8 layers {speedup:.2f}x faster"
+    slower = sum(1 for layer in result.layers if layer.int8_ms is not None and decisive_gate(layer) == "speed")
+    if slower:  # the gate ran and kept every layer it timed in float
+        return f"every timed layer slower in INT8 on this device ({slower} kept float by the speed gate)"
+    return "INT8 layers not timed (speed gate off, or no layer reached it)"
 
 
 def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_bytes: dict[str, int],
