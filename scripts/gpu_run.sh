@@ -2,7 +2,7 @@
 # The whole GPU run in one command, for a machine with an NVIDIA GPU and a CUDA build of torch already installed
 # (no venv, no downloads): the GPU suite in stages and the GPU bench, each stage with its own time limit.
 #
-#   OUT=/some/folder bash scripts/gpu_run.sh   # results: 8 files in $OUT (summary.md, run.log, junit, bench)
+#   OUT=/some/folder bash scripts/gpu_run.sh   # results: 7 files in $OUT (summary.md, run.log, junit.xml, bench)
 #
 # What it needs beside torch, numpy, pytest, pytest-timeout (pytest-xdist where present), safetensors, pillow and
 # ComfyUI's other light requirements: ComfyUI itself and torchsde. It takes them from .gpu-bundle/ (`make
@@ -160,28 +160,43 @@ PYTEST=("$PY" -m pytest tests/gpu -q -m gpu -p no:randomly)
 COMFY_TESTS="compile_model or reduce_overhead or stored_in or low_vram"
 SPEED_TESTS="speed_gate"
 XDIST=()
-"$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n 4)
+"$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n 6)
 if [ "$DRY" = 1 ]; then
   GPU_ENV+=(GPU_RUN_DRY=1)
   PYTEST+=(--collect-only)
   XDIST=()
 fi
 
-run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-80}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
-  -k "not ($COMFY_TESTS or $SPEED_TESTS)" --junitxml "$OUT/junit-kernels.xml"
-run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-130}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 120 \
-  "${XDIST[@]}" -k "$COMFY_TESTS" --junitxml "$OUT/junit-comfy.xml"
-run_stage "speed-gate test (alone)" "${GPU_RUN_SPEED_S:-30}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 30 \
-  -k "$SPEED_TESTS" --junitxml "$OUT/junit-speed-gate.xml"
+# Stage limits from the first H200 run (2026-11-26): 89 kernel tests take about 95 s, the 11 ComfyUI/compile tests
+# about 25 s each of compiling (5 done in 137 s on 4 workers), the speed-gate test 9 s.
+run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-110}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
+  -k "not ($COMFY_TESTS or $SPEED_TESTS)" --junitxml "$WORK/junit-kernels.xml"
+run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-170}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
+  "${XDIST[@]}" -k "$COMFY_TESTS" --junitxml "$WORK/junit-comfy.xml"
+run_stage "speed-gate test (alone)" "${GPU_RUN_SPEED_S:-20}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 20 \
+  -k "$SPEED_TESTS" --junitxml "$WORK/junit-speed-gate.xml"
+"$PY" - "$OUT/junit.xml" "$WORK"/junit-*.xml <<'PYEOF' 2>>"$LOG"
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+merged = ET.Element("testsuites")
+for path in filter(os.path.exists, sys.argv[2:]):
+    root = ET.parse(path).getroot()
+    merged.extend(root.iter("testsuite"))
+ET.ElementTree(merged).write(sys.argv[1], encoding="utf-8", xml_declaration=True)
+PYEOF
 BENCH=("$PY" bench/bench_gpu.py)
 [ "$DRY" = 1 ] && BENCH+=(--dry-run)
 # One stage per whole model, so a slow SDXL cannot take the Flux model's time; the rows each writes stay in its
 # file when it is cut.
-run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-150}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
+run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-40}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
+  --out "$OUT/gpu_int8_breakdown.md"
+run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-100}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
   --out "$OUT/gpu_models_sdxl.md"
-run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-150}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
+run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-80}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
   --out "$OUT/gpu_models_flux.md"
-run_stage "bench: layers" "${GPU_RUN_LAYERS_S:-60}" "${GPU_ENV[@]}" "${BENCH[@]}" --part layers --no-compile \
+run_stage "bench: layers" "${GPU_RUN_LAYERS_S:-25}" "${GPU_ENV[@]}" "${BENCH[@]}" --part layers --no-compile \
   --models sdxl,flux --reps 10 --out "$OUT/gpu_layers.md"
 
 printf '\ntotal: %s s of a %s s budget; stages failed or cut: %s\n' "$((SECONDS - START))" "$BUDGET" "$failures" \
