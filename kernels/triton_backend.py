@@ -29,7 +29,9 @@ def available() -> str | None:
         return triton_kernels.TOO_OLD
     if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
         return "Triton needs a CUDA GPU (or TRITON_INTERPRET=1 set before triton is first imported)"
-    return None
+    from .triton_interpreter import interpreter_problem
+
+    return interpreter_problem()
 
 
 def prepare_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
