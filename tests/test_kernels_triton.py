@@ -36,6 +36,7 @@ from comfyui_int8_accel.kernels import (  # noqa: E402
 )
 from comfyui_int8_accel.kernels import cuda as cuda_backend  # noqa: E402
 from comfyui_int8_accel.kernels import triton_kernels as _triton_kernels  # noqa: E402
+from comfyui_int8_accel.kernels.triton_interpreter import interpreter_problem  # noqa: E402
 from tests.support.triton_offsets import OFFSET_CHECKS  # noqa: E402
 from tests.support.triton_toolchain import compiled_triton_on_cuda  # noqa: E402
 
@@ -64,6 +65,9 @@ def tk():
         pytest.skip("triton was imported before TRITON_INTERPRET was set: these tests passed in a subprocess")
     module = _triton_kernels if _triton_kernels.INTERPRETED else importlib.reload(_triton_kernels)
     assert module.AVAILABLE and module.INTERPRETED
+    problem = interpreter_problem()
+    if problem is not None:
+        pytest.skip(f"triton: {problem}")
     return module
 
 

@@ -2,8 +2,8 @@
 samples the tiny SD1.5 in-process with ComfyUI's own sampler.
 
 `make test` also runs this file (with the kernel tier) on the oldest PyTorch pyproject.toml declares, in the
-second environment scripts/setup_floor.sh builds; INT8_ACCEL_EXPECT_TORCH names the release that run must be
-on, so it cannot pass on another one.
+second environment scripts/setup_floor.sh builds, and on PyTorch 2.11, in the third one scripts/setup_torch211.sh
+builds; INT8_ACCEL_EXPECT_TORCH names the release each run must be on, so it cannot pass on another one.
 """
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ def block_region(cls: type, settings: CompileSettings) -> CompiledRegion:
         _block_regions[key] = CompiledRegion(
             _block_runner(cls), name=f"{cls.__name__} blocks",
             compile_kwargs=settings.compile_kwargs(recompile_limit=BLOCK_RECOMPILE_LIMIT),
-            config_patches=settings.block_region_config(), copies_outputs=settings.uses_cuda_graphs())
+            config_patches=settings.block_region_config() + settings.recompile_config(BLOCK_RECOMPILE_LIMIT),
+            copies_outputs=settings.uses_cuda_graphs())
     return _block_regions[key]
 
 

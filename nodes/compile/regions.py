@@ -97,7 +97,8 @@ def compiled_regions(settings: CompileSettings, disabled_reason: str | None) -> 
     if key not in _regions_by_settings:
         _regions_by_settings[key] = {
             name: CompiledRegion(fn, name=name, compile_kwargs=settings.compile_kwargs(),
-                                 disabled_reason=disabled_reason, copies_outputs=settings.uses_cuda_graphs())
+                                 config_patches=settings.recompile_config(), disabled_reason=disabled_reason,
+                                 copies_outputs=settings.uses_cuda_graphs())
             for name, fn in (("group_norm_silu", group_norm_silu), ("geglu_gate", geglu_gate))
         }
     return _regions_by_settings[key]

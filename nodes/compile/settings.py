@@ -16,6 +16,10 @@ log = logging.getLogger("int8_accel.compile")
 # torch.compile keywords newer than the oldest PyTorch this pack supports: left out, with a warning, where the
 # installed torch.compile does not take them.
 NEWER_COMPILE_KEYWORDS = ("isolate_recompiles", "recompile_limit")
+_WITHOUT_KEYWORD = {
+    "isolate_recompiles": "recompiles are then counted per compiled function, not per region",
+    "recompile_limit": "the region's recompile limit is put in force through torch._dynamo.config instead",
+}
 _warned_missing: set[str] = set()
 
 MODE_CHOICES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -52,17 +56,40 @@ class CompileSettings:
         graph step overwrites (regions.py copies them out, the model wrappers mark a step per model call)."""
         return self.backend == "cudagraphs" or (self.backend == "inductor" and self.mode in CUDA_GRAPH_MODES)
 
+    def region_recompile_limit(self, requested: int | None = None) -> int | None:
+        """A compiled region's recompile limit: `requested`, else a raised one for static shapes, else None
+        (dynamo's default)."""
+        if requested is None and self.dynamic == "false":
+            return STATIC_RECOMPILE_LIMIT
+        return requested
+
     def compile_kwargs(self, recompile_limit: int | None = None) -> dict[str, Any]:
-        """torch.compile's keywords; `recompile_limit` per compiled region (static shapes get a raised one)."""
+        """torch.compile's keywords; `recompile_limit` per compiled region (static shapes get a raised one).
+        Where torch.compile does not take it, `recompile_config` applies the limit instead."""
         kwargs: dict[str, Any] = {"backend": self.backend, "dynamic": self.torch_dynamic(),
                                   "fullgraph": self.fullgraph, "isolate_recompiles": True}
         if self.backend == "inductor" and self.mode != "default":
             kwargs["mode"] = self.mode
-        if recompile_limit is None and self.dynamic == "false":
-            recompile_limit = STATIC_RECOMPILE_LIMIT
+        recompile_limit = self.region_recompile_limit(recompile_limit)
         if recompile_limit is not None:
             kwargs["recompile_limit"] = recompile_limit
         return supported_compile_kwargs(kwargs)
+
+    def recompile_config(self, recompile_limit: int | None = None) -> list[tuple[Any, dict[str, Any]]]:
+        """(config module, settings) that put the region's recompile limit (as `compile_kwargs` takes it) in
+        force while the region runs: where torch.compile has no `recompile_limit` keyword (PyTorch 2.11 and older)
+        dynamo's global limit (8) would otherwise apply, and a static-shape region would run eagerly from its
+        ninth shape on."""
+        recompile_limit = self.region_recompile_limit(recompile_limit)
+        if recompile_limit is None:
+            return []
+        import torch._dynamo.config as dynamo_config
+
+        # older PyTorch names the limit cache_size_limit
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                return [(dynamo_config, {name: recompile_limit})]
+        return []
 
     def block_region_config(self) -> list[tuple[Any, dict[str, Any]]]:
         """(config module, settings) put in force while a block region compiles: modules' weights are graph
@@ -115,5 +142,5 @@ def supported_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         if name not in _warned_missing:
             _warned_missing.add(name)
             log.warning("int8-accel compile: this PyTorch's torch.compile has no %r argument; compiling without it "
-                        "(recompiles are then neither isolated per region nor limited per region)", name)
+                        "(%s)", name, _WITHOUT_KEYWORD[name])
     return {name: value for name, value in kwargs.items() if name not in missing}

@@ -8,7 +8,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
-# The Makefile's test-kernels and test-floor name the same files.
+# The Makefile's test-kernels, test-floor and test-torch211 name the same files.
 KERNEL_TIER_PATTERN = "test_kernels*.py"
 
 
