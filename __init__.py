@@ -32,7 +32,11 @@ def _missing_comfyui_apis() -> list[str]:
     return missing
 
 
-if importlib.util.find_spec("comfy") is None:
+if not __package__:
+    # imported as a plain module, not as a package (pytest imports a test folder's root `__init__.py` this way when
+    # the folder's name is no Python identifier, e.g. a clone named comfyui-int8-accel): nothing to load relatively
+    logging.getLogger(__name__).debug("imported outside a package: node mappings left empty")
+elif importlib.util.find_spec("comfy") is None:
     logging.getLogger(__name__).debug("comfy is not importable: node mappings left empty")
 elif missing := _missing_comfyui_apis():
     logging.getLogger(__name__).warning(
