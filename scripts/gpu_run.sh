@@ -10,7 +10,7 @@
 # target, ComfyUI is unpacked to a temporary folder (or COMFYUI_PATH names one). PyAV, which ComfyUI imports at
 # start-up, is replaced by harness/standins/av when it is not installed.
 #
-# Environment: PYTHON (default python3), OUT (default ./gpu-run-out), GPU_RUN_BUDGET_S (default 570: the stages
+# Environment: PYTHON (default python3), OUT (default ./gpu-run-out), GPU_RUN_BUDGET_S (default 540: the stages
 # share it, each also capped by its own limit), GPU_RUN_DRY=1 (no CUDA needed: the CUDA check reports and the
 # run goes on, the GPU tests are only collected, the bench runs tiny models on the CPU; for checking this script).
 # Exits non-zero when the CUDA check or any stage failed or was cut.
@@ -19,7 +19,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 OUT="${OUT:-$ROOT/gpu-run-out}"
-BUDGET="${GPU_RUN_BUDGET_S:-570}"
+BUDGET="${GPU_RUN_BUDGET_S:-540}"
 DRY="${GPU_RUN_DRY:-0}"
 BUNDLE="$ROOT/.gpu-bundle"
 WORK="$(mktemp -d /tmp/int8-gpu-run.XXXXXX)"
@@ -169,9 +169,9 @@ fi
 
 # Stage limits from the first H200 run (2026-11-26): 89 kernel tests take about 95 s, the 11 ComfyUI/compile tests
 # about 25 s each of compiling (5 done in 137 s on 4 workers), the speed-gate test 9 s.
-run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-110}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
+run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-100}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
   -k "not ($COMFY_TESTS or $SPEED_TESTS)" --junitxml "$WORK/junit-kernels.xml"
-run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-170}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
+run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-160}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
   "${XDIST[@]}" -k "$COMFY_TESTS" --junitxml "$WORK/junit-comfy.xml"
 run_stage "speed-gate test (alone)" "${GPU_RUN_SPEED_S:-20}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 20 \
   -k "$SPEED_TESTS" --junitxml "$WORK/junit-speed-gate.xml"
@@ -190,13 +190,13 @@ BENCH=("$PY" bench/bench_gpu.py)
 [ "$DRY" = 1 ] && BENCH+=(--dry-run)
 # One stage per whole model, so a slow SDXL cannot take the Flux model's time; the rows each writes stay in its
 # file when it is cut.
-run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-40}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
+run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-35}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
   --out "$OUT/gpu_int8_breakdown.md"
-run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-100}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
+run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-90}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
   --out "$OUT/gpu_models_sdxl.md"
-run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-80}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
+run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-75}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
   --out "$OUT/gpu_models_flux.md"
-run_stage "bench: layers" "${GPU_RUN_LAYERS_S:-25}" "${GPU_ENV[@]}" "${BENCH[@]}" --part layers --no-compile \
+run_stage "bench: layers" "${GPU_RUN_LAYERS_S:-20}" "${GPU_ENV[@]}" "${BENCH[@]}" --part layers --no-compile \
   --models sdxl,flux --reps 10 --out "$OUT/gpu_layers.md"
 
 printf '\ntotal: %s s of a %s s budget; stages failed or cut: %s\n' "$((SECONDS - START))" "$BUDGET" "$failures" \
