@@ -157,6 +157,15 @@ else:
         return x.new_empty(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation))
 
 
+def _plain_eager() -> bool:
+    """True when nothing traces or watches the call (no torch.compile tracing, no dispatch mode such as fake
+    tensors or FLOP counting): then the op's body runs directly, without the custom op's dispatch, which costs
+    tens of microseconds of host time per call (measured on the H200: about 40 of an INT8 Linear's 170)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+
+
 def prepare_int8_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
     """Build now the derived forms of a Linear weight (padded rows, ...) that the backend serving its device
     would otherwise build on the first call, where a CUDA-graph warm-up or capture may be running."""
@@ -180,6 +189,8 @@ def int8_linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, 
     Activations are quantized at run time (per token unless `set_linear_activation_granularity("tensor")`),
     products accumulate in int32, then rows and columns are rescaled and the bias is added in float.
     """
+    if _plain_eager():
+        return _linear_impl(x, q_weight, w_scale, bias)
     return _linear_op(x, q_weight, w_scale, bias)
 
 
@@ -197,4 +208,7 @@ def int8_conv2d(
 
     Activations are quantized per tensor (uint8 with a zero point) at run time, int32 accumulation.
     """
+    if _plain_eager():
+        return _conv2d_impl(x, q_weight, w_scale, bias, list(pair(stride)), list(pair(padding)), list(pair(dilation)),
+                            int(groups))
     return _conv2d_op(x, q_weight, w_scale, bias, pair(stride), pair(padding), pair(dilation), int(groups))

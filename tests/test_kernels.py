@@ -706,3 +706,37 @@ def test_compiled_quantizers_on_large_inputs_match_reference():
     check_accuracy("cpu", int8_conv2d, (x.float(), q, s, f32(b), 1, 1), ref, CONV_GAUSS_BOUND[CPU_BITS])
     for quantizer in (cpu.quantize_rows_u8, cpu.quantize_tensor_u8):
         assert quantizer.compiled is not None and quantizer.disabled_reason is None
+
+
+def test_eager_calls_skip_the_custom_op_dispatch_and_traced_calls_use_it(monkeypatch):
+    """A plain eager call runs the INT8 op's body directly (the custom op's dispatch costs tens of microseconds of
+    host time per call on a GPU); a call under a dispatch mode (FLOP counting, fake tensors) or torch.compile
+    tracing goes through the registered op, which those see as one opaque op. Same result either way."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from comfyui_int8_accel.kernels import ops
+
+    through_op = Counter()
+
+    def counting(name, op):
+        def call(*args):
+            through_op[name] += 1
+            return op(*args)
+
+        return call
+
+    monkeypatch.setattr(ops, "_linear_op", counting("linear", ops._linear_op))
+    monkeypatch.setattr(ops, "_conv2d_op", counting("conv2d", ops._conv2d_op))
+    gen = torch.Generator().manual_seed(0)
+    x, cx = torch.randn(8, 64, generator=gen), torch.randn(1, 16, 10, 10, generator=gen)
+    q, s = quantize_weight_per_channel(torch.randn(32, 64, generator=gen), 127)
+    cq, cs = quantize_weight_per_channel(torch.randn(8, 16, 3, 3, generator=gen), 127)
+    eager = int8_linear(x, q, s, None), int8_conv2d(cx, cq, cs, None, 1, 1)
+    assert through_op == Counter()
+    with FlopCounterMode(display=False):
+        counted = int8_linear(x, q, s, None), int8_conv2d(cx, cq, cs, None, 1, 1)
+    assert through_op == Counter({"linear": 1, "conv2d": 1})
+    assert all(torch.equal(a, b) for a, b in zip(eager, counted, strict=True))
+    compiled = torch.compile(lambda t: int8_linear(t, q, s, None), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), eager[0])
+    assert through_op["linear"] == 2  # traced once through the op
