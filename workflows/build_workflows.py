@@ -226,11 +226,24 @@ def _settings_line(family: str, size: int | str) -> str:
     size = f"{size}x{size}" if isinstance(size, int) else size
     return (f"**Settings:** compute_density_threshold {DENSITY} for this small CPU size ({INT8_LAYERS[family]} "
             f"layers in INT8 at {size}; the default 300 admits {AT_300[family]}). GPUs and VNNI CPUs: 0-100; "
-            "CPUs without VNNI at 512 px and up: 100. Why: README, Shipped workflows.")
+            f"CPUs without VNNI at 512 px and up: 100. Why: {_docs('workflows.md')}.")
+
+
+# The docs pages are linked by their GitHub address: the note is shown in the ComfyUI page, where a relative link
+# would not resolve. tests/test_docs_links.py checks that each page and anchor exists.
+DOCS = "https://github.com/comfyui-int8-accel/comfyui-int8-accel/blob/main/docs/"
+
+
+def _docs(page: str, label: str | None = None) -> str:
+    return f"[{label or 'docs/' + page}]({DOCS}{page})"
+
+
+def _more(*pages: str) -> str:
+    return "**More:** " + ", ".join(_docs(page) for page in pages)
 
 
 def _note(wf: Workflow, heading: str, lines: list[str]) -> Node:
-    """The workflow's note: a heading and a few short lines (the longer reasoning is in the README)."""
+    """The workflow's note: a heading and a few short lines (the longer reasoning is on the docs page it links)."""
     return wf.add("MarkdownNote", (0, 0), (780, 220), "What this shows",
                   text=f"## {heading}\n\n" + "\n".join(f"- {line}" for line in lines))
 
@@ -250,7 +263,7 @@ def sd15_int8() -> Workflow:
         "keeps working.",
         REPORT_LINE,
         f"**Real models:** pick your SD1.5 checkpoint ({SD15} is a random-weight test model), 512x512, 20+ steps.",
-        _settings_line("sd15", SIZE)])
+        _settings_line("sd15", SIZE), _more("int8.md")])
     made = {}
 
     def chain(loader: Node):
@@ -270,7 +283,7 @@ def sdxl_int8_deepcache() -> Workflow:
         REPORT_LINE,
         f"**Real models:** pick your SDXL checkpoint ({SDXL} is a random-weight SDXL-family test model), "
         "1024x1024, 20+ steps.",
-        _settings_line("sdxl", SIZE)])
+        _settings_line("sdxl", SIZE), _more("deepcache.md", "int8.md")])
     made = {}
 
     def chain(loader: Node):
@@ -292,7 +305,7 @@ def sd3_int8_blockcache() -> Workflow:
         REPORT_LINE,
         f"**Real models:** pick your SD3 checkpoint ({SD3} is a random-weight, reduced-depth test model with "
         "CLIP-L and CLIP-G, no T5), 1024x1024, 28 steps.",
-        _settings_line("sd3", SIZE)])
+        _settings_line("sd3", SIZE), _more("deepcache.md", "int8.md")])
     made = {}
 
     def chain(loader: Node):
@@ -314,7 +327,7 @@ def sd15_full_stack_compile() -> Workflow:
         "says when it compiles and how long the first run took (later runs reuse the compile).",
         REPORT_LINE,
         f"**Real models:** pick your SD1.5 checkpoint ({SD15} is a random-weight test model), 512x512, 20+ steps.",
-        _settings_line("sd15", SIZE)])
+        _settings_line("sd15", SIZE), _more("compile.md", "deepcache.md", "int8.md")])
     made = {}
 
     def chain(loader: Node):
@@ -338,7 +351,7 @@ def sd15_compare() -> Workflow:
         "one after Quantize Model (INT8) and DeepCache; Image Stitch shows baseline left, accelerated right.",
         REPORT_LINE,
         f"**Real models:** pick your SD1.5 checkpoint ({SD15} is a random-weight test model), 512x512, 20+ steps.",
-        _settings_line("sd15", SIZE)])
+        _settings_line("sd15", SIZE), _more("deepcache.md", "int8.md")])
     loader = wf.add("CheckpointLoaderSimple", (0, 260), (315, 98), ckpt_name=SD15)
     quant = wf.add("Int8AccelQuantize", (0, 420), (315, 200), model=(loader, 0), **QUANTIZE_SETTINGS)
     cache = wf.add("Int8AccelDeepCache", (0, 660), (315, 130), model=(quant, 0), cache_interval=3, cache_depth=1,
@@ -386,7 +399,7 @@ def sd15_int8_save() -> Workflow:
         "float here (a file for memory); 'only layers faster in INT8' writes just the ones that ran faster.",
         REPORT_LINE,
         f"**Real models:** pick your SD1.5 checkpoint ({SD15} is a random-weight test model).",
-        _settings_line("sd15", SIZE)])
+        _settings_line("sd15", SIZE), _more("int8-files.md", "int8.md")])
     made = {}
 
     def chain(loader: Node):
@@ -408,7 +421,7 @@ def sd15_int8_load() -> Workflow:
         f"**File:** run sd15_int8_save first (it writes {INT8_FILE}; press R if the list lacks it), or pick an "
         "INT8 file of your own (Save INT8 Model's, or ComfyUI core's int8_tensorwise).",
         f"**Real models:** Load Checkpoint ({SD15}) only supplies CLIP and VAE here; with your own files use Load "
-        "CLIP and Load VAE."])
+        "CLIP and Load VAE.", _more("int8-files.md")])
 
     def chain(loader: Node):
         return (wf.add("Int8AccelLoadModel", (0, 400), (315, 82), unet_name=INT8_FILE), 0)
@@ -433,7 +446,7 @@ def wan21_deepcache_t2v() -> Workflow:
         REPORT_LINE,
         "**Real models:** the Wan 2.1 T2V model, umt5_xxl with type `wan` in Load CLIP, wan_2.1_vae; 832x480, 33+ "
         "frames, 20-30 steps. The shipped files are random test stand-ins and give noise.",
-        _settings_line("wan21", WAN_SIZE)])
+        _settings_line("wan21", WAN_SIZE), _more("deepcache.md", "int8.md")])
     unet = wf.add("UNETLoader", (0, 250), (315, 82), unet_name=WAN21, weight_dtype="default")
     quant = wf.add("Int8AccelQuantize", (0, 380), (315, 200), model=(unet, 0), **QUANTIZE_SETTINGS)
     cache = wf.add("Int8AccelDeepCache", (0, 620), (315, 130), model=(quant, 0), cache_interval=3, cache_depth=1,
