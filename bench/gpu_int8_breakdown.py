@@ -57,6 +57,18 @@ def host_us(fn: Callable[[], object], calls: int = 100) -> float:
     return elapsed / calls * 1e6
 
 
+def fp8_us(x: torch.Tensor, w: torch.Tensor) -> float:
+    """torch._scaled_mm on e4m3 copies of x [M, K] and w [N, K] with row-wise scales, or NaN where it cannot run."""
+    try:
+        xf = x.to(torch.float8_e4m3fn)
+        wf = w.to(torch.float8_e4m3fn).t()  # column-major second operand, as _scaled_mm requires
+        sx = torch.ones(x.shape[0], 1, device=x.device)
+        sw = torch.ones(1, w.shape[0], device=x.device)
+        return median_us(lambda: torch._scaled_mm(xf, wf, scale_a=sx, scale_b=sw, out_dtype=x.dtype))
+    except Exception:  # noqa: BLE001 - no FP8 GEMM on this GPU or torch
+        return float("nan")
+
+
 def kernel_list(fn: Callable[[], object]) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -92,8 +104,12 @@ def main() -> int:
     dev = torch.device("cuda")
     lines = [f"# INT8 layer breakdown on {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, {dtype}", "",
              "Median us per call (CUDA events); host us: enqueue time per call, 100 calls without sync.", "",
-             "| linear M x K x N | float | _int_mm alone | quantize rows | rescale | int8 op (dispatch) | "
-             "backend fn | host us: float / int8 op |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "fused: the Triton INT8 GEMM with the rescale in its epilogue (INT8_ACCEL_TRITON_LINEAR=fused), alone "
+             "on quantized rows; fp8 _scaled_mm: torch._scaled_mm on e4m3 operands with per-row and per-column "
+             "scales, alone (the 8-bit GEMM cuBLASLt runs natively on Hopper), where this GPU has it.", "",
+             "| linear M x K x N | float | _int_mm alone | fused GEMM alone | fp8 _scaled_mm alone | quantize rows | "
+             "rescale | int8 op (dispatch) | backend fn | host us: float / int8 op |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     kernels_seen = []
 
     def write() -> None:
@@ -111,6 +127,8 @@ def main() -> int:
             acc = cuda_backend.int_mm_padded(xq, wp, n)
             cells = [median_us(lambda: F.linear(x, w, b)),
                      median_us(lambda: torch._int_mm(xq, wp.t())),
+                     median_us(lambda: triton_kernels.gemm_rescale(xq, q, row_scale, s, b, dtype)),
+                     fp8_us(x, w),
                      median_us(lambda: triton_kernels.quantize_rows(x)),
                      median_us(lambda: triton_kernels.rescale(acc, row_scale, s, b, dtype)),
                      median_us(lambda: kernels.int8_linear(x, q, s, b)),

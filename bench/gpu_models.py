@@ -104,6 +104,7 @@ class Variant:
     int8: bool = False
     deepcache: bool = False
     compile: bool = False
+    env: tuple[tuple[str, str], ...] = ()  # environment variables set while this variant runs
 
 
 # Most wanted first: a run cut at its time limit keeps these.
@@ -111,6 +112,7 @@ class Variant:
 VARIANTS = (
     Variant("plain bf16"),
     Variant("Quantize Model (INT8)", int8=True),
+    Variant("Quantize Model (INT8), fused Triton GEMM", int8=True, env=(("INT8_ACCEL_TRITON_LINEAR", "fused"),)),
     Variant("DeepCache", deepcache=True),
     Variant("plain fp16", dtype=torch.float16),
     Variant("INT8 + DeepCache + Compile Model (stack)", int8=True, deepcache=True, compile=True),
@@ -251,6 +253,8 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
     reference: Run | None = None
     for variant in variants:
         model = one_off = None
+        saved_env = {name: os.environ.get(name) for name, _ in variant.env}
+        os.environ.update(dict(variant.env))
         try:
             new_base = variant.dtype not in bases
             model = _apply(base(variant.dtype), variant)
@@ -271,6 +275,11 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
                        *["-"] * (len(Table.HEADER) - 2)])
             continue
         finally:
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             gc.collect()
         if reference is None:
             reference = run

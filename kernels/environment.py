@@ -15,6 +15,8 @@ CONV_MIN_MACS = "INT8_ACCEL_CONV_MIN_MACS"
 MIN_REDUCTION = "INT8_ACCEL_MIN_REDUCTION"
 IM2COL_MAX_ROWS = "INT8_ACCEL_IM2COL_MAX_ROWS"
 COMPILE_QUANTIZER = "INT8_ACCEL_COMPILE_QUANTIZER"
+TRITON_LINEAR = "INT8_ACCEL_TRITON_LINEAR"
+TRITON_LINEAR_CHOICES = ("int-mm", "fused")
 
 
 def forced_weight_bits() -> int | None:
@@ -65,3 +67,12 @@ def compiled_quantizer_disabled_reason() -> str | None:
     """Why the cpu backend's activation quantizers never use torch.compile (`INT8_ACCEL_COMPILE_QUANTIZER=0`), or
     None."""
     return f"{COMPILE_QUANTIZER}=0" if os.environ.get(COMPILE_QUANTIZER) == "0" else None
+
+
+def triton_linear_gemm() -> str:
+    """How the triton backend multiplies a Linear (read at every call): "int-mm" (default: torch._int_mm, then the
+    rescale kernel) or "fused" (one Triton INT8 GEMM with the rescale in its epilogue; not yet measured faster)."""
+    value = os.environ.get(TRITON_LINEAR, "").strip() or TRITON_LINEAR_CHOICES[0]
+    if value not in TRITON_LINEAR_CHOICES:
+        raise ValueError(f"{TRITON_LINEAR}={value!r}: expected one of {', '.join(TRITON_LINEAR_CHOICES)}")
+    return value

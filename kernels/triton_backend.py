@@ -15,6 +15,7 @@ import torch
 
 from . import triton_toolchain
 from .cuda import int_mm_padded, prepared_linear_weight, weight_column_sums
+from .environment import triton_linear_gemm
 
 
 def _kernels() -> ModuleType:
@@ -53,8 +54,11 @@ def linear(
     triton_kernels = _kernels()
     n = q_weight.shape[0]
     q, row_scale = triton_kernels.quantize_rows(x.reshape(-1, x.shape[-1]))
-    acc = int_mm_padded(q, prepared_linear_weight(q_weight), n)
-    y = triton_kernels.rescale(acc, row_scale, w_scale, bias, x.dtype)
+    if triton_linear_gemm() == "fused":
+        y = triton_kernels.gemm_rescale(q, q_weight, row_scale, w_scale, bias, x.dtype)
+    else:
+        acc = int_mm_padded(q, prepared_linear_weight(q_weight), n)
+        y = triton_kernels.rescale(acc, row_scale, w_scale, bias, x.dtype)
     return y.reshape(*x.shape[:-1], n)
 
 

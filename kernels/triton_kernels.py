@@ -1,5 +1,6 @@
 """Triton kernels of the `triton` backend: per-token activation quantizer, per-tensor affine (conv) activation
-quantizer, rescale epilogue, INT8 implicit-GEMM conv that writes the output dtype itself. Each is autotuned over a
+quantizer, rescale epilogue, INT8 GEMM with the rescale fused into its epilogue, INT8 implicit-GEMM conv that
+writes the output dtype itself. Each is autotuned over a
 few block shapes on the GPU (one large block under the interpreter).
 
 The conv's activation quantizer is two kernels of its own, not folded into the conv's loads: the per-tensor
@@ -111,6 +112,50 @@ if AVAILABLE:
         y = acc.to(tl.float32) * row_scale[:, None] * col_scale[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + (rows64 * stride_om)[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    # The fused Linear: int8 [M, K] @ int8 [N, K]^T accumulated in int32 by the tensor cores (tl.dot on int8;
+    # Hopper's wgmma takes 8-bit operands K-major, which both are), rescaled in the epilogue with the same float32
+    # operations in the same order as _rescale_kernel, so its output equals torch._int_mm + rescale bit for bit
+    # while never writing the int32 product to memory. Keyed on the weight's sizes, like the rescale.
+    @triton.autotune(configs=_configs(({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, 4), [
+        ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, 8),
+        ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8}, 8),
+        ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, 4),
+        ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, 4),
+        ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, 4)]), key=["N", "K"])
+    @triton.jit
+    def _gemm_rescale_kernel(a_ptr, w_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_am,
+                             stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+        # Programs walk GROUP_M row blocks down one column block before moving right: neighbours share tiles in L2.
+        pid = tl.program_id(0)
+        blocks_m = tl.cdiv(M, BLOCK_M)
+        blocks_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * blocks_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(blocks_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        rows64 = rows.to(tl.int64)  # M * K and M * N pass 2**31 for long token sequences
+        a_ptrs = a_ptr + (rows64 * stride_am)[:, None] + ks[None, :]
+        w_ptrs = w_ptr + (cols.to(tl.int64) * stride_wn)[None, :] + ks[:, None]  # a [BLOCK_K, BLOCK_N] tile of W^T
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=(rows < M)[:, None] & ((k0 + ks) < K)[None, :], other=0)
+            w = tl.load(w_ptrs, mask=((k0 + ks) < K)[:, None] & (cols < N)[None, :], other=0)
+            acc += tl.dot(a, w, out_dtype=tl.int32)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        row_scale = tl.load(row_scale_ptr + rows, mask=rows < M, other=0.0)
+        col_scale = tl.load(col_scale_ptr + cols, mask=cols < N, other=0.0)
+        y = acc.to(tl.float32) * row_scale[:, None] * col_scale[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
         tl.store(out_ptr + (rows64 * stride_om)[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_K": 64}, 4), [
@@ -286,6 +331,24 @@ def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
     _rescale_kernel[grid](acc, row_scale.contiguous(), col_scale, bias_arg, out, m, n, acc.stride(0), out.stride(0),
                           HAS_BIAS=bias is not None, **EXACT)  # fmt: skip
+    return out
+
+
+def gemm_rescale(a: torch.Tensor, q_weight: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """int8 a [M, K] @ int8 q_weight [N, K]^T, rescaled by row_scale[:, None] * col_scale[None, :] (+ bias), in
+    `dtype`, in one kernel: equal to `rescale(torch._int_mm(a, q_weight.t()), ...)` bit for bit, with no padding
+    of M, K or N and no int32 product in memory."""
+    _require()
+    a, q_weight = a.contiguous(), q_weight.contiguous()
+    m, k = a.shape
+    n = q_weight.shape[0]
+    out = torch.empty((m, n), dtype=dtype, device=a.device)
+    col_scale = col_scale.to(torch.float32).contiguous()
+    bias_arg = col_scale if bias is None else bias.contiguous()
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    _gemm_rescale_kernel[grid](a, q_weight, row_scale.contiguous(), col_scale, bias_arg, out, m, n, k, a.stride(0),
+                               q_weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, **EXACT)  # fmt: skip
     return out
 
 

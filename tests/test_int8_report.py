@@ -244,3 +244,23 @@ def test_summary_says_when_the_speed_gate_kept_every_layer_float():
                                 layers=[layer("a", "int8", False)])
     assert "INT8 layers not timed (speed gate off, or no layer reached it)" in format_report(
         untimed, QuantizeSettings(), {}).split("\n\n")[0]
+
+
+def test_a_decision_timed_on_one_linear_gemm_is_not_reused_for_the_other(monkeypatch):
+    """The calibration cache's key names the triton backend's Linear GEMM (INT8_ACCEL_TRITON_LINEAR): the speed gate
+    timed that one, so a decision cached with torch._int_mm is not read back for the fused Triton GEMM."""
+    from comfyui_int8_accel.kernels import force_kernel_backend
+    from comfyui_int8_accel.nodes.int8.calibration import calibration_key
+
+    reason = kernel_backend_unavailable_reason("triton")
+    if reason is not None:
+        pytest.skip(f"triton: {reason}")
+    x = torch.zeros(1, 4, 8, 8)
+    keys = {}
+    for backend in ("triton", "cuda"):
+        for gemm in ("int-mm", "fused"):
+            monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", gemm)
+            with force_kernel_backend(backend):
+                keys[backend, gemm] = calibration_key("fingerprint", QuantizeSettings(), x)
+    assert keys["triton", "int-mm"] != keys["triton", "fused"]
+    assert keys["cuda", "int-mm"] == keys["cuda", "fused"]  # the choice is the triton backend's alone

@@ -208,6 +208,40 @@ def test_conv_activation_quantization_is_two_launches_reading_x_once_each(tk, mo
 @pytest.mark.parametrize(
     "x_shape,n,bias,dtype",
     [((256, 320), 320, True, torch.float32), ((2, 77, 64), 128, False, torch.float32), ((5, 64), 64, True, torch.float32),
+     ((40, 100), 36, True, torch.float16), ((3, 70), 130, False, torch.float16)],
+)  # fmt: skip
+def test_fused_linear_gemm_equals_int_mm_and_rescale(tk, monkeypatch, x_shape, n, bias, dtype, bits):
+    """INT8_ACCEL_TRITON_LINEAR=fused: one Triton GEMM with the rescale in its epilogue, no torch._int_mm, no
+    padding (M under 17, K and N not multiples of 8 included), and the same result bit for bit."""
+    from comfyui_int8_accel.kernels import triton_backend
+
+    q, s, b = weights((n, x_shape[-1]), bits)
+    b = b.to(dtype) if bias else None
+    x = torch.randn(*x_shape).to(dtype)
+    int_mm_path = by_backend(int8_linear, x, q, s, b)["triton"]
+
+    def no_int_mm(*args):
+        raise AssertionError("the fused path called torch._int_mm")
+
+    monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "fused")
+    monkeypatch.setattr(triton_backend, "int_mm_padded", no_int_mm)
+    outs = by_backend(int8_linear, x, q, s, b)
+    assert outs["triton"].dtype == dtype and outs["triton"].shape == (*x_shape[:-1], n)
+    assert torch.equal(outs["triton"], int_mm_path)
+    assert torch.equal(outs["triton"], outs["cuda"])
+
+
+def test_an_unknown_triton_linear_choice_is_refused(tk, monkeypatch):
+    q, s, _ = weights((32, 64), 8)
+    monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "cutlass")
+    with force_kernel_backend("triton"), pytest.raises(ValueError, match="int-mm, fused"):
+        int8_linear(torch.randn(4, 64), q, s, None)
+
+
+@pytest.mark.parametrize("bits", [7, 8])
+@pytest.mark.parametrize(
+    "x_shape,n,bias,dtype",
+    [((256, 320), 320, True, torch.float32), ((2, 77, 64), 128, False, torch.float32), ((5, 64), 64, True, torch.float32),
      ((40, 100), 36, True, torch.float16)],
 )  # fmt: skip
 def test_linear_triton_equals_cuda_backend(tk, x_shape, n, bias, dtype, bits):

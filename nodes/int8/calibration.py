@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ...kernels import content_checksum, kernel_backend_for, weight_bits
+from ...kernels.environment import triton_linear_gemm
 from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
 
@@ -188,6 +189,8 @@ def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tenso
     """Key of a decision: the weights and patches, the settings, the latent's size and dtype, and what runs the
     INT8 layers (device, kernel backend, weight width) and whether the speed gate decided: a decision measured on
     one is not reused on another."""
+    kernel_backend = kernel_backend_for(x.device)
+    linear_gemm = triton_linear_gemm() if kernel_backend == "triton" else ""  # the speed gate timed that GEMM
     text = json.dumps([CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
-                       x.device.type, kernel_backend_for(x.device), weight_bits(x.device), speed_gate_enabled()])
+                       x.device.type, kernel_backend, linear_gemm, weight_bits(x.device), speed_gate_enabled()])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -136,6 +136,22 @@ def test_linear_matches_its_definition(backend, x_shape, n, dtype, bits):
     assert relative_error(y, reference) < 0.02  # 8-bit per-row activations: about 1%
 
 
+@pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}")
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("x_shape,n", [((2, 4096, 320), 1280), ((1, 4608, 3072), 12288), ((16, 100), 36),
+                                       ((1, 5, 64), 64)])  # fmt: skip
+def test_fused_linear_gemm_matches_its_definition_and_the_int_mm_path(monkeypatch, x_shape, n, dtype):
+    """INT8_ACCEL_TRITON_LINEAR=fused, compiled for this GPU (int8 tensor-core dot, rescale in the epilogue): exact
+    against the definition and bit-equal to torch._int_mm + the rescale kernel."""
+    q, s, b = weights((n, x_shape[-1]))
+    x = lossless_rows(x_shape, dtype)
+    int_mm = run_on_backend("triton", int8_linear, x, q, s, b.to(dtype))
+    monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "fused")
+    fused = run_on_backend("triton", int8_linear, x, q, s, b.to(dtype))
+    assert torch.equal(fused, linear_by_definition(x, q, s, b.to(dtype)))
+    assert torch.equal(fused, int_mm)
+
+
 @pytest.mark.parametrize("bits", [7, 8])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize(
