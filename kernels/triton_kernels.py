@@ -118,12 +118,12 @@ if AVAILABLE:
     # Hopper's wgmma takes 8-bit operands K-major, which both are), rescaled in the epilogue with the same float32
     # operations in the same order as _rescale_kernel, so its output equals torch._int_mm + rescale bit for bit
     # while never writing the int32 product to memory. Keyed on the weight's sizes, like the rescale.
+    # Three candidates: each costs a compile on a layer's first call (calibration), and these are the tile shapes
+    # int8 GEMMs favour on Ampere and Hopper (128-byte K steps, large N tiles for the wide Linear layers).
     @triton.autotune(configs=_configs(({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, 4), [
         ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, 8),
         ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8}, 8),
-        ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, 4),
-        ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, 4),
-        ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, 4)]), key=["N", "K"])
+        ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, 4)]), key=["N", "K"])
     @triton.jit
     def _gemm_rescale_kernel(a_ptr, w_ptr, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_am,
                              stride_wn, stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,

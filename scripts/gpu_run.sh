@@ -171,7 +171,7 @@ fi
 # about 25 s each of compiling (5 done in 137 s on 4 workers), the speed-gate test 9 s.
 run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-100}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
   -k "not ($COMFY_TESTS or $SPEED_TESTS)" --junitxml "$WORK/junit-kernels.xml"
-run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-160}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
+run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-150}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
   "${XDIST[@]}" -k "$COMFY_TESTS" --junitxml "$WORK/junit-comfy.xml"
 run_stage "speed-gate test (alone)" "${GPU_RUN_SPEED_S:-20}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 20 \
   -k "$SPEED_TESTS" --junitxml "$WORK/junit-speed-gate.xml"
@@ -192,9 +192,9 @@ BENCH=("$PY" bench/bench_gpu.py)
 # file when it is cut.
 run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-35}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
   --out "$OUT/gpu_int8_breakdown.md"
-run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-90}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
+run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-110}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
   --out "$OUT/gpu_models_sdxl.md"
-run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-75}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
+run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-80}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
   --out "$OUT/gpu_models_flux.md"
 run_stage "bench: layers" "${GPU_RUN_LAYERS_S:-20}" "${GPU_ENV[@]}" "${BENCH[@]}" --part layers --no-compile \
   --models sdxl,flux --reps 10 --out "$OUT/gpu_layers.md"
