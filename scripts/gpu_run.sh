@@ -10,7 +10,7 @@
 # target, ComfyUI is unpacked to a temporary folder (or COMFYUI_PATH names one). PyAV, which ComfyUI imports at
 # start-up, is replaced by harness/standins/av when it is not installed.
 #
-# Environment: PYTHON (default python3), OUT (default ./gpu-run-out), GPU_RUN_BUDGET_S (default 540: the stages
+# Environment: PYTHON (default python3), OUT (default ./gpu-run-out), GPU_RUN_BUDGET_S (default 555: the stages
 # share it, each also capped by its own limit), GPU_RUN_DRY=1 (no CUDA needed: the CUDA check reports and the
 # run goes on, the GPU tests are only collected, the bench runs tiny models on the CPU; for checking this script).
 # Exits non-zero when the CUDA check or any stage failed or was cut.
@@ -19,7 +19,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 OUT="${OUT:-$ROOT/gpu-run-out}"
-BUDGET="${GPU_RUN_BUDGET_S:-540}"
+BUDGET="${GPU_RUN_BUDGET_S:-555}"
 DRY="${GPU_RUN_DRY:-0}"
 BUNDLE="$ROOT/.gpu-bundle"
 WORK="$(mktemp -d /tmp/int8-gpu-run.XXXXXX)"
@@ -169,11 +169,11 @@ fi
 
 # Stage limits from the first H200 run (2026-11-26): 89 kernel tests take about 95 s, the 11 ComfyUI/compile tests
 # about 25 s each of compiling (5 done in 137 s on 4 workers), the speed-gate test 9 s.
-run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-100}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
+run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-110}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
   -k "not ($COMFY_TESTS or $SPEED_TESTS)" --junitxml "$WORK/junit-kernels.xml"
 run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-150}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
   "${XDIST[@]}" -k "$COMFY_TESTS" --junitxml "$WORK/junit-comfy.xml"
-run_stage "speed-gate test (alone)" "${GPU_RUN_SPEED_S:-20}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 20 \
+run_stage "speed-gate test (alone)" "${GPU_RUN_SPEED_S:-30}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 25 \
   -k "$SPEED_TESTS" --junitxml "$WORK/junit-speed-gate.xml"
 "$PY" - "$OUT/junit.xml" "$WORK"/junit-*.xml <<'PYEOF' 2>>"$LOG"
 import os
