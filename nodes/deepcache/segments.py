@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .steps import Mode, active_run, chunk_signature
+from .steps import Mode, active_call, active_run, chunk_signature
 
 Streams = dict[str, torch.Tensor]
 
@@ -57,7 +57,7 @@ def run_middle_block(place: BlockPlace, streams: Streams, run_block: Callable[[]
     """The streams a middle block hands on: its own output on full steps, on cached steps its input (inside a
     segment) or the segment's input plus the cached residual (at the segment's end)."""
     run = active_run()
-    call = None if run is None else run.call
+    call = active_call()
     if call is None or call.mode is Mode.FULL:
         return run_block()
     call.blocks_seen = True

@@ -18,6 +18,7 @@ import contextvars
 import enum
 import logging
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -164,7 +165,6 @@ class DeepCacheRun:
         self.callbacks_seen = 0
         self.mode = Mode.FULL
         self.evaluation_fell_back = False
-        self.call: ModelCall | None = None
         self.cache = FeatureCache(settings.cache_mode)
         self.step = -1  # the sampler step the current evaluation belongs to (counted by sigma)
         self.full_steps = 0
@@ -220,22 +220,24 @@ class DeepCacheRun:
 
     def release(self) -> None:
         self.cache.clear()
-        self.call = None
 
     # --- model-call level --------------------------------------------------------------------------
     def begin_call(self, transformer_options: dict) -> ModelCall:
+        """A new model call of this run. It is not stored on the run: under ComfyUI 0.38's MultiGPU several
+        calls of one evaluation run at once, one per device thread (`samplers._calc_cond_batch_multigpu`), each
+        with its own chunks; the APPLY_MODEL wrapper makes it the active call of its own thread only."""
         chunk_ids = transformer_options.get("uuids") or transformer_options.get("cond_or_uncond") or [0]
-        self.call = ModelCall(mode=self.mode, chunk_ids=list(chunk_ids))
-        return self.call
+        return ModelCall(mode=self.mode, chunk_ids=list(chunk_ids))
 
     def fall_back_to_capture(self, call: ModelCall) -> None:
         """A cached call found no usable cache (new shape, dtype or cond): run it in full and cache it."""
         call.mode = Mode.CAPTURE
-        self.cache_misses += 1
-        if not self.evaluation_fell_back:
-            self.evaluation_fell_back = True
-            self.cached_steps -= 1
-            self.full_steps += 1
+        with _COUNTS_LOCK:  # MultiGPU: the calls of one evaluation may fall back at once, from their threads
+            self.cache_misses += 1
+            if not self.evaluation_fell_back:
+                self.evaluation_fell_back = True
+                self.cached_steps -= 1
+                self.full_steps += 1
 
 
 def current_run(transformer_options: dict | None) -> DeepCacheRun | None:
@@ -243,8 +245,13 @@ def current_run(transformer_options: dict | None) -> DeepCacheRun | None:
     return run if isinstance(run, DeepCacheRun) else None
 
 
+# Context variables: each thread has its own, so the calls MultiGPU runs at once on its device threads never see
+# one another's (a thread starts with an empty context; the wrapper sets both inside the thread that calls).
 _ACTIVE_RUN: contextvars.ContextVar[DeepCacheRun | None] = contextvars.ContextVar("int8_accel_deepcache_run",
                                                                                    default=None)
+_ACTIVE_CALL: contextvars.ContextVar[ModelCall | None] = contextvars.ContextVar("int8_accel_deepcache_call",
+                                                                                 default=None)
+_COUNTS_LOCK = threading.Lock()
 
 
 def active_run() -> DeepCacheRun | None:
@@ -253,8 +260,8 @@ def active_run() -> DeepCacheRun | None:
 
 
 def active_call() -> ModelCall | None:
-    run = _ACTIVE_RUN.get()
-    return None if run is None else run.call
+    """The model call executing right now in this thread (set only inside the APPLY_MODEL wrapper)."""
+    return _ACTIVE_CALL.get() if _ACTIVE_RUN.get() is not None else None
 
 
 def chunk_signature(tensor: torch.Tensor, chunks: int) -> tuple:
@@ -313,12 +320,12 @@ def make_apply_model_wrapper(uncached_message: Callable[[object], str] | None) -
         if run is None:
             return executor(*args, **kwargs)
         call = run.begin_call(transformer_options)
-        token = _ACTIVE_RUN.set(run)
+        token, call_token = _ACTIVE_RUN.set(run), _ACTIVE_CALL.set(call)
         try:
             out = executor(*args, **kwargs)
         finally:
+            _ACTIVE_CALL.reset(call_token)
             _ACTIVE_RUN.reset(token)
-            run.call = None
         if call.blocks_seen:
             run.blocks_reached = True
         elif uncached_message is not None and call.mode is not Mode.FULL and not run.blocks_reached:

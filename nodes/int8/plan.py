@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import comfy.model_management
@@ -108,8 +110,39 @@ def layer_weight_bytes(root: torch.nn.Module, result: CalibrationResult) -> dict
     return out
 
 
+class ModelCopies:
+    """The INT8 copies built from one model's float layers. One model has one set; under ComfyUI 0.38's MultiGPU
+    every device computes with its own deep clone of the model (`deepclone_multigpu`), from its own thread, so
+    each of those models has its own set, built once on its device and never touched by another thread."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.state: tuple | None = None
+        self.markers: dict[str, Int8CopyMarker] = {}
+        self.float_size: int | None = None
+
+    def release(self, name: str) -> int:
+        """Drop the INT8 copy of layer `name` (ComfyUI moved its float layer); rebuilt on its next call."""
+        module = self.modules.pop(name, None)
+        if module is None:
+            return 0
+        release_packed_weight(module.weight)
+        return int8_module_bytes(module)
+
+    def release_all(self) -> None:
+        for name in list(self.modules):
+            self.release(name)
+
+
+def in_multigpu_call(transformer_options: dict | None) -> bool:
+    """Whether this model call is one of several that ComfyUI 0.38's `samplers._calc_cond_batch_multigpu` runs at
+    once, one per device, from the threads of its `MultiGPUThreadPool` (it sets `multigpu_thread_device`)."""
+    return bool(transformer_options) and transformer_options.get("multigpu_thread_device") is not None
+
+
 class Int8Plan:
-    """Per-node state shared by the clone and everything cloned from it."""
+    """Per-node state shared by the clone and everything cloned from it (MultiGPU's device clones included: their
+    wrappers are this plan's bound methods). Calibration results are shared; INT8 copies are per model."""
 
     def __init__(self, settings: QuantizeSettings, node_id: str | None = None) -> None:
         self.settings = settings
@@ -122,10 +155,27 @@ class Int8Plan:
         self.shown_result: CalibrationResult | None = None  # the calibration the node's report output describes
         self._run_fingerprint: str | None = None
         self._fingerprints: dict[tuple, str] = {}
-        self._modules_state: tuple | None = None
-        self._modules: dict[str, torch.nn.Module] = {}
-        self._markers: dict[str, Int8CopyMarker] = {}
-        self._float_sizes: dict[int, int] = {}
+        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> ModelCopies
+        self._last_copies = ModelCopies()  # those of the model that ran last (what `_modules` shows)
+        self._calibration_lock = threading.Lock()  # one calibration per key, whichever device's thread comes first
+
+    @property
+    def _modules(self) -> dict[str, torch.nn.Module]:
+        """The INT8 copies of the model that ran last."""
+        return self._last_copies.modules
+
+    def copies_of(self, base_model) -> ModelCopies:
+        copies = self._copies.get(base_model)
+        if copies is None:
+            copies = self._copies[base_model] = ModelCopies()
+        self._last_copies = copies
+        return copies
+
+    def _drop_other_models(self, base_model) -> None:
+        """A call outside MultiGPU: the copies of any other model are stale (another model was loaded)."""
+        for model in list(self._copies.keys()):
+            if model is not base_model:
+                self._copies.pop(model).release_all()
 
     # --- wiring ----------------------------------------------------------------------------------
     def attach(self, patcher) -> None:
@@ -142,11 +192,12 @@ class Int8Plan:
         prompt; the weights stay as they are, so the INT8 modules built from them stay valid."""
         if not unpatch_all:
             return
-        for module in self._modules.values():
+        copies = self.copies_of(patcher.model)
+        for module in copies.modules.values():
             release_packed_weight(module.weight)
-        for marker in self._markers.values():  # unpatch_model zeroed the model's loaded memory
+        for marker in copies.markers.values():  # unpatch_model zeroed the model's loaded memory
             marker.counted_bytes = 0
-        self._modules, self._modules_state = {}, None
+        copies.modules, copies.state = {}, None
 
     def fingerprint(self, patcher) -> str:
         state = (id(patcher.model), patcher.patches_uuid)
@@ -182,8 +233,22 @@ class Int8Plan:
     def apply_model(self, executor, *args, **kwargs):
         base_model = executor.class_obj
         x = wrapper_arg(args, kwargs, 0, "x")
+        if not in_multigpu_call(wrapper_arg(args, kwargs, 5, "transformer_options", None)):
+            self._drop_other_models(base_model)
         fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
         key = calibration_key(fingerprint, self.settings, x)
+        result = self._known_result(key, base_model, fingerprint)
+        if result is None:
+            with self._calibration_lock:  # MultiGPU: another device's thread may be calibrating this key now
+                result = self._known_result(key, base_model, fingerprint)
+                if result is None:
+                    return self._calibrate(executor, base_model, args, kwargs, key, fingerprint)
+        self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
+        replacements = self._int8_modules(base_model, result.chosen, x.device)
+        with swapped_modules(base_model.diffusion_model, replacements):
+            return executor(*args, **kwargs)
+
+    def _known_result(self, key: str, base_model, fingerprint: str) -> CalibrationResult | None:
         result = self.results.get(key)
         if result is None:
             result = load_result(key)
@@ -191,18 +256,14 @@ class Int8Plan:
                 self.disk_hits += 1
                 self.results[key] = result
                 self._publish(result, base_model, fingerprint, save=False)
-        if result is None:
-            return self._calibrate(executor, base_model, args, kwargs, key, fingerprint)
-        self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
-        replacements = self._int8_modules(base_model, result.chosen, x.device)
-        with swapped_modules(base_model.diffusion_model, replacements):
-            return executor(*args, **kwargs)
+        return result
 
     # --- INT8 modules, rebuilt whenever the live weights change ----------------------------------------
     def _int8_modules(self, base_model, names: list[str], device: torch.device) -> dict[str, torch.nn.Module]:
         """{module path: INT8 copy} of the chosen layers, built where missing for computing on `device`, each
         tied to its float layer so that ComfyUI counts it and frees it with that layer (see residency.py)."""
         root = self._fresh_module_cache(base_model)
+        copies = self.copies_of(base_model)
         candidates = find_candidates(root)
         out = {}
         for name in names:
@@ -210,18 +271,19 @@ class Int8Plan:
                 continue
             path, kind = candidates[name]
             float_module = root.get_submodule(path)
-            layer = self._placed_copy(name, device)
+            layer = self._placed_copy(copies, name, device)
             if layer is None:
-                layer = self._modules[name] = self._copy_for_device(float_module, kind, device)
-            self._track(base_model, name, float_module, layer)
+                layer = copies.modules[name] = self._copy_for_device(float_module, kind, device)
+            self._track(base_model, copies, name, float_module, layer)
             out[path] = layer
         return out
 
-    def _placed_copy(self, name: str, device: torch.device | None):
+    @staticmethod
+    def _placed_copy(copies: ModelCopies, name: str, device: torch.device | None):
         """The INT8 copy of `name` if it is on the computing `device` (else None: it is built there)."""
-        layer = self._modules.get(name)
+        layer = copies.modules.get(name)
         if layer is not None and device is not None and not is_on(layer.weight, device):
-            self._release(name)
+            copies.release(name)
             return None
         return layer
 
@@ -238,47 +300,43 @@ class Int8Plan:
         """ComfyUI (re)loaded the model: its count holds the float weights only, and the load rewrote every layer's
         function lists; count the INT8 copies that stay, where they stay, and tie them to their layers again."""
         base_model = patcher.model
+        copies = self.copies_of(base_model)
         if full_load and not base_model.model_lowvram:  # ComfyUI counted model_size(), INT8 copies included
-            base_model.model_loaded_weight_memory = self._float_sizes.get(id(base_model), patcher.model_size())
-        for marker in self._markers.values():
+            base_model.model_loaded_weight_memory = copies.float_size or patcher.model_size()
+        for marker in copies.markers.values():
             marker.counted_bytes = 0
         root = self._fresh_module_cache(base_model)
         candidates = find_candidates(root)
-        for name in list(self._modules):
+        for name in list(copies.modules):
             if name not in candidates:
                 continue
-            layer = self._placed_copy(name, device_to if device_to is not None else base_model.device)
+            layer = self._placed_copy(copies, name, device_to if device_to is not None else base_model.device)
             if layer is not None:
-                self._track(base_model, name, root.get_submodule(candidates[name][0]), layer)
+                self._track(base_model, copies, name, root.get_submodule(candidates[name][0]), layer)
 
-    def _track(self, base_model, name: str, float_module: torch.nn.Module, layer: torch.nn.Module) -> None:
+    @staticmethod
+    def _track(base_model, copies: ModelCopies, name: str, float_module: torch.nn.Module,
+               layer: torch.nn.Module) -> None:
         """Put the layer's marker into its float layer's `bias_function` and count a copy on the device ComfyUI
         loads the model to in the model's loaded memory, offloaded float layer or not."""
         if not hasattr(float_module, "bias_function"):
             return  # not one of ComfyUI's op classes: ModelPatcher neither counts nor offloads it
         marker = marker_of(float_module, name)
         if marker is None:
-            marker = Int8CopyMarker(name, self._release)
+            marker = Int8CopyMarker(name, copies.release)
             float_module.bias_function = [*float_module.bias_function, marker]  # a new list: never the class's
-        self._markers[name] = marker
+        copies.markers[name] = marker
         loaded_to = getattr(base_model, "device", None)
         if marker.counted_bytes == 0 and loaded_to is not None and is_on(layer.weight, loaded_to):
             marker.counted_bytes = int8_module_bytes(layer)
             base_model.model_loaded_weight_memory = getattr(base_model, "model_loaded_weight_memory", 0) + \
                 marker.counted_bytes
 
-    def _release(self, name: str) -> int:
-        """Drop the INT8 copy of layer `name` (ComfyUI moved its float layer); rebuilt on its next call."""
-        module = self._modules.pop(name, None)
-        if module is None:
-            return 0
-        release_packed_weight(module.weight)
-        return int8_module_bytes(module)
-
     def _uncount_dropped(self, base_model) -> None:
         """Take the copies calibration dropped out of the model's loaded memory."""
-        for name, marker in self._markers.items():
-            if name not in self._modules and marker.counted_bytes:
+        copies = self.copies_of(base_model)
+        for name, marker in copies.markers.items():
+            if name not in copies.modules and marker.counted_bytes:
                 base_model.model_loaded_weight_memory -= marker.counted_bytes
                 marker.counted_bytes = 0
 
@@ -290,19 +348,19 @@ class Int8Plan:
         root = unwrap_compiled(patcher.model.diffusion_model)
         candidates = find_candidates(root)
         extra = sum(int8_copy_bytes(root.get_submodule(candidates[name][0])) for name in names if name in candidates)
-        key = id(patcher.model)
-        if key not in self._float_sizes:
-            self._float_sizes = {key: float_model_size(patcher)}
-        patcher.size = self._float_sizes[key] + extra
+        copies = self.copies_of(patcher.model)
+        if copies.float_size is None:
+            copies.float_size = float_model_size(patcher)
+        patcher.size = copies.float_size + extra
 
     def _fresh_module_cache(self, base_model) -> torch.nn.Module:
         """Drop the INT8 modules when the live weights changed (another model, or other weight patches)."""
         root = base_model.diffusion_model
-        state = (id(base_model), id(root), getattr(base_model, "current_weight_patches_uuid", None))
-        if state != self._modules_state:
-            for name in list(self._modules):
-                self._release(name)
-            self._modules_state = state
+        copies = self.copies_of(base_model)
+        state = (id(root), getattr(base_model, "current_weight_patches_uuid", None))
+        if state != copies.state:
+            copies.release_all()
+            copies.state = state
         return root
 
     @staticmethod
@@ -340,6 +398,7 @@ class Int8Plan:
     def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str):
         start = time.perf_counter()
         root = self._fresh_module_cache(base_model)
+        copies = self.copies_of(base_model)
         candidates = find_candidates(root)
         measurements: dict[str, LayerMeasurement] = {}
         memory = {"kept": 0, "peak": 0}
@@ -357,7 +416,7 @@ class Int8Plan:
                 int8_copy = []  # the layer's INT8 copy, once the error gate asked for it
 
                 def measure_error() -> float:
-                    layer = self._modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
+                    layer = copies.modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
                     int8_copy.append(layer)
                     memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
                     return normalized_mse(layer(x), output)
@@ -374,7 +433,7 @@ class Int8Plan:
                 # One layer at a time: a layer is quantized only when it reaches the error gate, and its INT8
                 # copy is kept only when it runs in INT8.
                 if decide(row, self.settings, measure_error, time_calls) == INT8:
-                    self._modules[name] = int8_copy[0]
+                    copies.modules[name] = int8_copy[0]
                     memory["kept"] += int8_module_bytes(int8_copy[0])
                 int8_copy.clear()
                 measurements[name] = row
@@ -395,7 +454,7 @@ class Int8Plan:
                                    kernel_backend_fallback=kernel_backend_fallback(args[0].device),
                                    left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device))
         chosen = set(result.chosen)
-        self._modules = {name: module for name, module in self._modules.items() if name in chosen}
+        copies.modules = {name: module for name, module in copies.modules.items() if name in chosen}
         self._uncount_dropped(base_model)
         self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
         if chosen:
@@ -404,7 +463,7 @@ class Int8Plan:
                 executor, base_model, args, kwargs, output, result)
         result.seconds = time.perf_counter() - start
         result.memory = {"model_float_bytes": parameter_bytes(root), "calibration_peak_int8_bytes": memory["peak"],
-                         "int8_bytes": sum(int8_module_bytes(module) for module in self._modules.values())}
+                         "int8_bytes": sum(int8_module_bytes(module) for module in copies.modules.values())}
         self.calibration_runs += 1
         self.results[key] = result
         self._publish(result, base_model, fingerprint, save=True)

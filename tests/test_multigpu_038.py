@@ -1,0 +1,93 @@
+"""ComfyUI 0.38.1's MultiGPU CFG split (issue 28, item 3) on INT8 + DeepCache + Compile Model.
+
+0.38.1 runs cond and uncond on two devices at once, one thread each, every device with its own deep clone of the
+model and all of them with the same wrappers (tests/support/comfy038_multigpu.py says which files and commits).
+Here the two "devices" are two keys of this CPU with a thread and a model each, driven by 0.38.1's
+`_calc_cond_batch_multigpu` swapped into the real ComfyUI 0.3.75; 0.3.75's own single-device sampling of the same
+stack is the control. What must hold: the split result equals the single-device one, and no INT8 copy is built
+twice for one device's model, across steps and prompts (each device's model gets its own copies, built once).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+from harness.tiny_models import build_tiny_model, sample
+from tests.support import comfy038_multigpu
+from tests.support.counting_backend import COUNTING, register_counting_backend
+from tests.support.deepcache_tiny import one_thread  # noqa: F401 - module fixture: one torch thread
+
+INT8_RTOL = 1e-3  # cond and uncond batched together (one device) or apart (two) round INT8 activations alike
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _tiny(kind: str, seed: int):
+    with torch.inference_mode():
+        return build_tiny_model(kind, seed=seed)
+
+
+@pytest.mark.parametrize("kind", ["sd15", "flux"])
+def test_multigpu_split_matches_one_device_and_builds_each_copy_once(pack, kind, monkeypatch, tmp_path):
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path))  # no calibration saved by an earlier run
+    register_counting_backend()
+    int8 = importlib.import_module("comfyui_int8_accel.nodes.int8")
+    plan_module = importlib.import_module("comfyui_int8_accel.nodes.int8.plan")
+    deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache")
+    cm = importlib.import_module("comfyui_int8_accel.nodes.compile")
+
+    settings = int8.QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    quantized, report = int8.apply_int8(_tiny(kind, seed=5), settings)
+    stack = cm.compile_model(deepcache.apply_deepcache(quantized, cache_interval=2, cache_depth=1),
+                             cm.CompileSettings(backend=COUNTING))
+    steps = 4  # full, cached, full, cached
+
+    builds: Counter = Counter()
+    quantize_layer = plan_module.Int8Plan._quantize_layer
+
+    def counted(module, kind_, qmax=None):
+        builds[(id(module), threading.current_thread().name)] += 1
+        return quantize_layer(module, kind_, qmax)
+
+    monkeypatch.setattr(plan_module.Int8Plan, "_quantize_layer", staticmethod(counted))
+    swapped_in: dict[int, set[int]] = {}  # diffusion model -> the INT8 copies swapped into it
+    swapped_modules = plan_module.swapped_modules
+
+    def recording(root, replacements):
+        swapped_in.setdefault(id(root), set()).update(id(m) for m in replacements.values())
+        return swapped_modules(root, replacements)
+
+    monkeypatch.setattr(plan_module, "swapped_modules", recording)
+    comfy038_multigpu.install(monkeypatch)
+    fresh = _tiny(kind, seed=5).model  # deepclone_multigpu: the loader's fresh load for the other device
+    split, other, pool = comfy038_multigpu.with_multigpu(stack, fresh, torch.device("cpu", 0))
+    try:
+        first = sample(split, kind, steps=steps)
+        second = sample(split, kind, steps=steps)
+    finally:
+        pool.shutdown()
+    monkeypatch.setattr(plan_module.Int8Plan, "_quantize_layer", staticmethod(quantize_layer))
+    one_device = sample(stack, kind, steps=steps)  # 0.3.75's own sampling: the control
+    assert _rel(one_device, sample(quantized, kind, steps=steps)) > 1e-5, "DeepCache skipped nothing"
+
+    roots = {id(quantized.model.diffusion_model), id(fresh.diffusion_model)}
+    assert set(swapped_in) == roots and all(swapped_in.values()), "a device ran without INT8 layers"
+    assert not set.intersection(*swapped_in.values()), "the two devices' models computed with the same INT8 copies"
+    assert _rel(first, one_device) < INT8_RTOL, (_rel(first, one_device), report)
+    assert torch.equal(first, second)
+    per_layer = Counter()
+    for (layer, _), n in builds.items():
+        per_layer[layer] += n
+    rebuilt = {layer: n for layer, n in per_layer.items() if n > 1}
+    assert not rebuilt, f"{len(rebuilt)} INT8 copies built more than once, up to {max(rebuilt.values())} times"
+    float_layers = {id(m) for m in fresh.diffusion_model.modules()}
+    assert any(layer in float_layers for layer in per_layer), "the other device's model got no INT8 copies"
+    plan = int8.int8_plan(split)
+    assert plan.calibration_runs == 1  # the two threads' first calls: one calibrates, the other waits for it
