@@ -256,3 +256,54 @@ def test_fused_input_activation_with_fp16_accumulation_runs_the_int8_layer(comfy
             out = comfy038.linear_input_act(layer, x, "swiglu", fp16_accumulation=fp16_accumulation)
         assert sum(n for (op, backend, path), n in counted.items() if path == "int8") > 0, fp16_accumulation
         assert rel(out, reference) < 0.02 * WEIGHT_ERROR_SCALE[weight_width], fp16_accumulation
+
+
+def test_core_save_nodes_write_a_loaded_int8_model_in_the_int8_format(comfy_root, monkeypatch, tmp_path):
+    """Issue 28 item 1. ComfyUI 0.38.1's Save Checkpoint / ModelSave (comfy/sd.py `save_checkpoint`, stored copy of
+    commit 033046cc4fac82d954c6daedccf1c8128433c4f1: `load_models_gpu(load_models)` then the patcher's
+    `state_dict_for_saving`) call `ModelPatcher.model_state_dict_for_saving` (comfy/model_patcher.py, stored copy of
+    commit 08d0e510f4e539a1db39072589817136ac6cfa7d, swapped in from comfy038 with its `LazyCastingParam` and
+    `patch_weight_to_device`), which wraps each weight of a layer the load did not patch (every layer under dynamic
+    VRAM; here a model not loaded) in a `LazyCastingParam`: for an int8 weight that raised "Only Tensors of
+    floating point ... can require gradients". With what importing the pack does on such a ComfyUI, the dict it
+    returns holds every INT8 layer in ComfyUI's INT8 format, its LoRA merged and requantized: the file loads back
+    to the same INT8 layers (bit for bit without LoRA), computes what the model computed, and core 0.38 reads its
+    Linear layers with their scale and refuses its Conv2d layers."""
+    import importlib
+
+    import comfy.utils
+
+    from tests.support.comfy038_quant import core_038_reading
+
+    detect_tiny(monkeypatch, "sd15")
+    base = build_tiny_model("sd15")
+    dm = base.model.diffusion_model
+    file_sd = int8_state_dict(dm.state_dict().items(), all_int8_layers(dm))
+    loaded = load_int8_state_dict(dict(file_sd))
+    names = set(int8_resident_layers(loaded.model.diffusion_model))
+    lora = make_lora(base, layers=8, scale=2.0)
+    expected = {"plain": _model_call(loaded, "merged", monkeypatch)[0],
+                "lora": _model_call(apply_lora(loaded, lora), "merged", monkeypatch)[0]}
+    int8_package = importlib.import_module("comfyui_int8_accel.nodes.int8")
+    saved = {}
+    with comfy038.core_save_038(monkeypatch):
+        for hook in getattr(int8_package, "COMFY_IMPORT_HOOKS", ()):  # what importing the pack does on a 0.38
+            hook()
+        for label, patcher in (("plain", loaded), ("lora", apply_lora(loaded, lora))):
+            sd = patcher.model_state_dict_for_saving(patcher.model.diffusion_model, "diffusion_model.")
+            comfy.utils.save_torch_file(sd, str(tmp_path / f"{label}.safetensors"))  # safetensors runs the casts
+            saved[label] = comfy.utils.load_torch_file(str(tmp_path / f"{label}.safetensors"))
+    plain = saved["plain"]
+    assert {key.removesuffix(".comfy_quant") for key in plain if key.endswith(".comfy_quant")} == names
+    assert sorted(plain) == sorted(file_sd)
+    assert all(torch.equal(plain[key], value) for key, value in file_sd.items())  # the loaded file, bit for bit
+    verdicts = core_038_reading(plain, dm)
+    assert all(verdicts[name] == "read with its scale" for name in names if dm.get_submodule(name).weight.ndim == 2)
+    assert all(verdicts[name].startswith("refused") for name in names if dm.get_submodule(name).weight.ndim == 4)
+    for label, sd in saved.items():
+        again = load_int8_state_dict(dict(sd))
+        assert set(int8_resident_layers(again.model.diffusion_model)) == names
+        out, int8_calls = _model_call(again, "merged", monkeypatch)
+        assert int8_calls > 0
+        assert rel(out, expected[label]) < 1e-3, (label, rel(out, expected[label]))
+    assert rel(expected["lora"], expected["plain"]) > 0.01  # the LoRA took effect, and is in the file

@@ -239,3 +239,61 @@ def test_our_loader_refuses_core_formats_it_cannot_read(comfy_root, monkeypatch)
         with pytest.raises(ValueError, match=rf"'{fmt}' format; this loader reads only 'int8_tensorwise'.*"
                                              r"ComfyUI's own Load Diffusion Model"):
             load_int8_state_dict(core_quantized_sd15_file(lambda name, fmt=fmt: fmt if ".attn" in name else None))
+
+
+def _one_model_call_under_dynamic_vram(patcher, monkeypatch) -> int:
+    """One model call of `patcher` loaded the way ComfyUI 0.38.1's ModelPatcherDynamic.load loads it (comfy038's
+    emulation); returns how many INT8 kernel calls ran the W8A8 arithmetic."""
+    from harness.tiny_models import latent_channels, make_conditioning
+    from tests.support import comfy038
+
+    gen = torch.Generator().manual_seed(3)
+    positive, _ = make_conditioning("sd15", batch=2)
+    x, t = torch.randn(2, latent_channels("sd15"), 16, 16, generator=gen), torch.tensor([700.0, 700.0])
+    with comfy038.dynamic_vram_load(patcher, monkeypatch), torch.inference_mode():
+        cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
+        cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
+        with record_calls() as counted:
+            patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
+    return sum(n for (op, backend, path), n in counted.items() if path == "int8")
+
+
+def test_lora_reaches_the_int8_copies_of_core_quantized_layers_under_dynamic_vram(comfy_root, monkeypatch):
+    """Issue 28 item 2. ComfyUI 0.38.1's `ModelPatcherDynamic.load` (comfy/model_patcher.py, stored copy of commit
+    08d0e510f4e539a1db39072589817136ac6cfa7d, `setup_param`) puts a layer's LoRA in `weight_lowvram_function` and
+    leaves `weight_function` holding weight wrappers only; `tests/support/comfy038.dynamic_vram_load` does the same
+    in 0.3.75. Quantize Model's INT8 copies of the layers core loaded quantized (int8_tensorwise, float8 and the
+    file's unquantized Linears) carry the LoRA: each copy holds core's weight + the LoRA's delta up to INT8 rounding.
+    Before, `from_core` read `weight_function` only and the copies held the weight without the LoRA."""
+    from tests.support import comfy038
+    from tests.support.lora import apply_lora, lora_for_shapes
+
+    # the tiny model's layers are all of 16 KiB or less, which 0.38.1 force-loads (LoRA merged into the weight);
+    # a real model's are larger and streamed, with the LoRA in weight_lowvram_function: stream them all
+    monkeypatch.setattr(comfy038, "SMALL_LAYER_BYTES", 0)
+    core = core_quantized_sd15(monkeypatch)
+    dm = core.model.diffusion_model
+    formats = {name: module.quant_format for name, module in dm.named_modules() if hasattr(module, "quant_format")}
+    picked = {}
+    for fmt in ("int8_tensorwise", "float8_e4m3fn", None):
+        for name in [name for name, f in formats.items() if f == fmt][:2]:
+            module = dm.get_submodule(name)
+            picked[name] = (module.out_features, module.in_features)
+    lora = lora_for_shapes(picked, scale=2.0)
+    core_weights = {name: (dm.get_submodule(name).weight.dequantize() if formats[name] else
+                           dm.get_submodule(name).weight).detach().float() for name in picked}
+    with_lora = {name: core_weights[name] + lora[f"diffusion_model.{name}.lora_up.weight"]
+                 @ lora[f"diffusion_model.{name}.lora_down.weight"] for name in picked}
+
+    copies = {}
+    for label, patcher in (("plain", core), ("lora", apply_lora(core, lora))):
+        quantized = apply_int8(patcher, settings_from_widgets(**ALL_INT8))[0]
+        assert _one_model_call_under_dynamic_vram(quantized, monkeypatch) > 0  # calibrated, ran in INT8
+        plan = int8_plan(quantized)
+        assert set(picked) <= set(plan.last_result.chosen)
+        copies[label] = {name: (plan._modules[name].weight.float() * plan._modules[name].weight_scale[:, None])
+                         for name in picked}
+    for name in picked:
+        assert rel(copies["plain"][name], core_weights[name]) < 0.03, name  # the control: no LoRA, core's weight
+        assert rel(copies["lora"][name], with_lora[name]) < 0.03, (name, formats[name])  # the LoRA is in the copy
+        assert rel(copies["lora"][name], core_weights[name]) > 0.1, (name, formats[name])

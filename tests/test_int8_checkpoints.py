@@ -497,3 +497,35 @@ def test_layers_built_without_comfy_ops_load_as_int8_too(comfy_root, monkeypatch
     sd["not_a_layer.weight"], sd["not_a_layer.weight_scale"] = torch.ones(2, 2, dtype=torch.int8), torch.ones(2)
     with pytest.raises(ValueError, match="not Linear/Conv2d layers of this model.*not_a_layer"):
         load_int8_state_dict(sd)
+
+
+def test_the_smallest_file_holds_the_layers_the_kernel_size_floor_kept_float(pack, models_dir, monkeypatch):
+    """Issue 28, 'the smallest INT8 file is no longer the smallest'. With the cpu backend's own Linear floors every
+    Linear of the tiny SD1.5 computes in float here, and calibration keeps it float ('kernel size floor'); that is a
+    fact about this device, not about the file: the default save (`every accurate layer (smallest file)`) writes
+    every layer that passes kind, density and error in INT8, the floored Linears included (their error is that of
+    the INT8 arithmetic, measured with the reference kernels), and the faster-only file leaves them float."""
+    from safetensors import safe_open
+
+    from comfyui_int8_accel.kernels import cpu
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+    from comfyui_int8_accel.nodes.int8.save import FASTER_ONLY, save_int8_model
+
+    monkeypatch.setattr(cpu, "LINEAR_MIN_MACS", cpu.DEFAULT_LINEAR_MIN_MACS)
+    monkeypatch.setattr(cpu, "MIN_REDUCTION", cpu.DEFAULT_MIN_REDUCTION)
+    quantized = apply_int8(build_tiny_model("sd15"), settings_from_widgets(**ALL_INT8))[0]
+    sample(quantized, "sd15", steps=1)
+    result = int8_plan(quantized).last_result
+    floored = {layer.name for layer in result.layers if layer.below_kernel_floor}
+    linears = {layer.name for layer in result.layers if layer.kind == "linear"}
+    assert linears and linears <= floored and not floored & set(result.chosen)
+    assert all(layer.error is not None and layer.error < 0.05 for layer in result.layers if layer.name in floored)
+
+    def int8_layers_of(path) -> set[str]:
+        with safe_open(str(path), "pt") as file:
+            return {key.rsplit(".", 1)[0] for key in file.keys() if key.endswith(".comfy_quant")}
+
+    smallest = int8_layers_of(save_int8_model(quantized, "int8/smallest_floor"))
+    faster = int8_layers_of(save_int8_model(quantized, "int8/faster_floor", int8_layers=FASTER_ONLY))
+    assert smallest == {layer.name for layer in result.layers} and floored <= smallest
+    assert faster == set(result.chosen) and not floored & faster

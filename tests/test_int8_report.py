@@ -195,7 +195,7 @@ def test_a_layer_below_the_kernel_size_floor_is_reported_float_by_that_gate(comf
     for name, cells in rows.items():
         if name in floored:
             assert cells[7] == "kernel size floor" and cells[8] == "float: below the kernel size floor", cells
-            assert cells[4] == "-"  # its error is never measured
+            assert cells[4] != "-"  # its error is measured (of the INT8 arithmetic): a file may hold it in INT8
         else:
             assert cells[1] == "conv" and cells[7] == "all passed" and cells[8] == "int8", cells
     summary = report.split("\n\n")[0]

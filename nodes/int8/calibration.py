@@ -16,7 +16,7 @@ from ...kernels.environment import triton_linear_gemm
 from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
 
-CACHE_FORMAT_VERSION = 4  # 4: the kernel size floor is a gate (LayerMeasurement.below_kernel_floor)
+CACHE_FORMAT_VERSION = 5  # 5: the error gate before the kernel size floor (floor layers have an error, go in files)
 _SAMPLE_WORDS = 256
 
 INT8 = "int8"
@@ -58,9 +58,10 @@ class LayerMeasurement:
 
     @property
     def within_thresholds(self) -> bool:
-        """Passed the kind, density, kernel size floor and error gates: in INT8 now, or kept in float by the speed
-        gate alone."""
-        return self.decision in (INT8, SLOWER_IN_INT8)
+        """Passed the kind, density and error gates: in INT8 now, or kept in float by the kernel size floor or the
+        speed gate alone. Both are facts about the device that calibrated, not about what a file should hold: a file
+        saved here may be computed on a device without the floor."""
+        return self.decision in (INT8, SLOWER_IN_INT8, FLOAT_BY_GATE["kernel size floor"])
 
 
 @dataclass
@@ -85,7 +86,8 @@ class CalibrationResult:
 
     @property
     def within_thresholds(self) -> list[str]:
-        """Every layer accurate enough in INT8, including those the speed gate kept in float on this machine."""
+        """Every layer accurate enough in INT8, including those the kernel size floor or the speed gate kept in float
+        on this machine."""
         return [layer.name for layer in self.layers if layer.within_thresholds]
 
     def to_json(self) -> dict:
@@ -109,9 +111,12 @@ def decide(layer: LayerMeasurement, settings: QuantizeSettings, measure_error: C
            time_calls: Callable[[], tuple[float, float] | None]) -> str:
     """Whether `layer` runs in INT8: the one decision, made once per layer at calibration, recorded in
     `layer.decision` and returned. INT8, or float named by the first gate it fails, in this order: kind (enabled
-    in `settings`), density (at least the threshold), kernel size floor (`layer.below_kernel_floor`), error (the
-    INT8 copy's normalized error, from `measure_error()`, at most the kind's threshold), speed (`time_calls()`:
-    (float ms, int8 ms) of the layer's call, or None when the speed gate is off; INT8 must be faster).
+    in `settings`), density (at least the threshold), error (the INT8 copy's normalized error, from
+    `measure_error()`, at most the kind's threshold; for a layer below the kernel size floor, the error of the INT8
+    arithmetic a device without the floor runs), kernel size floor (`layer.below_kernel_floor`), speed
+    (`time_calls()`: (float ms, int8 ms) of the layer's call, or None when the speed gate is off; INT8 must be
+    faster). A layer that passes kind, density and error is accurate enough for a file (`within_thresholds`)
+    whatever the floor and the speed gate say about this device.
 
     The error and the timings cost a forward of the layer's INT8 copy and several timed calls, so they are
     measured only for a layer that reaches their gate; they are recorded in `layer` too."""
@@ -125,11 +130,11 @@ def _first_failed_gate(layer: LayerMeasurement, settings: QuantizeSettings, meas
         return FLOAT_BY_GATE["kind"]
     if layer.density < settings.compute_density_threshold:
         return FLOAT_BY_GATE["density"]
-    if layer.below_kernel_floor:
-        return FLOAT_BY_GATE["kernel size floor"]
     layer.error = measure_error()
     if not layer.error <= settings.threshold_for(layer.kind):  # a NaN error fails too
         return FLOAT_BY_GATE["error"]
+    if layer.below_kernel_floor:
+        return FLOAT_BY_GATE["kernel size floor"]
     timings = time_calls()
     if timings is not None:
         layer.float_ms, layer.int8_ms = timings

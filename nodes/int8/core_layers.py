@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comfy_contracts import has_weight_patches, patched_parameter
 from .checkpoint import int8_weight_and_scale
 
 REUSED_FORMAT = "int8_tensorwise"
@@ -81,16 +82,17 @@ def core_layers_left(root: torch.nn.Module) -> dict[str, str]:
 
 
 def core_float_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The real-valued weight and bias a core mixed-precision Linear computes with, ComfyUI's per-forward weight
-    and bias functions (low-VRAM LoRA) included."""
+    """The real-valued weight and bias a core mixed-precision Linear computes with, with every per-forward patch
+    ComfyUI left on it: low-VRAM LoRA in `weight_function` / `bias_function`, and dynamic VRAM's LoRA in
+    `weight_lowvram_function` / `bias_lowvram_function` (ComfyUI 0.38's `ModelPatcherDynamic.load`, where
+    `weight_function` holds only weight wrappers)."""
     weight = module.weight.detach()
     weight = weight.dequantize() if _is_quantized_tensor(weight) else weight
     bias = None if module.bias is None else module.bias.detach()
-    for fn in getattr(module, "weight_function", []):
-        weight = fn(weight)
-    for fn in getattr(module, "bias_function", []):
-        bias = fn(bias)
-    return weight, bias
+    if not has_weight_patches(module):
+        return weight, bias
+    return (patched_parameter(module, "weight", weight, dtype=weight.dtype).detach(),
+            patched_parameter(module, "bias", bias, dtype=None if bias is None else bias.dtype))
 
 
 def int8_parts_of_core_linear(module: torch.nn.Module, qmax: int, name: str = "layer"
@@ -98,8 +100,7 @@ def int8_parts_of_core_linear(module: torch.nn.Module, qmax: int, name: str = "l
     """(int8 weight, float32 scale [out]) of an `int8_tensorwise` core layer without LoRA in its forward, taken from
     its QuantizedTensor (comfy-kitchen's plain tensors), else None."""
     weight = module.weight
-    if (core_linear_format(module) != REUSED_FORMAT or getattr(module, "weight_function", None)
-            or getattr(module, "bias_function", None)):
+    if core_linear_format(module) != REUSED_FORMAT or has_weight_patches(module):
         return None
     q_weight, scale = weight.layout_cls.get_plain_tensors(weight)[:2]
     params = weight.params

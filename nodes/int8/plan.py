@@ -419,6 +419,8 @@ class Int8Plan:
                     layer = copies.modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
                     int8_copy.append(layer)
                     memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
+                    if row.below_kernel_floor:  # this backend computes it in float: the INT8 arithmetic's error
+                        return normalized_mse(int8_reference_forward(layer, x), output)
                     return normalized_mse(layer(x), output)
 
                 def time_calls() -> tuple[float, float] | None:
@@ -499,3 +501,17 @@ class Int8Plan:
         else:
             log.info("int8-accel: calibration cache hit for latent %s: %d layers in INT8", result.shape,
                      len(result.chosen))
+
+
+def int8_reference_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What INT8 layer `layer` computes for `x` with the INT8 arithmetic itself (W8A8, the reference kernels), also
+    where the backend serving `x`'s device would compute the call in float (below its size floor)."""
+    from ...kernels import reference
+
+    weight, scale, bias = layer.weight.to(x.device), layer.weight_scale.to(x.device), layer.bias
+    bias = None if bias is None else bias.to(x.device)
+    with torch.no_grad():
+        if isinstance(layer, Int8Conv2d):
+            return reference.conv2d(x, weight, scale, bias, list(layer.stride), list(layer.padding),
+                                    list(layer.dilation), layer.groups)
+        return reference.linear(x, weight, scale, bias)

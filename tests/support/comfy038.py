@@ -182,3 +182,82 @@ def linear_input_act(linear, x: torch.Tensor, input_act: str | None, *, fp16_acc
         finally:
             comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
     return linear(activated)
+
+
+# --- saving: comfy/model_patcher.py, stored copy of commit 08d0e510f4e539a1db39072589817136ac6cfa7d -------------
+
+def _lazy_casting_param_class():
+    import collections
+
+    custom_torch_device = collections.namedtuple("FakeDevice", ["type", "index"])("comfy-lazy-caster", 0)
+
+    class LazyCastingParam(torch.nn.Parameter):
+        """comfy/model_patcher.py `LazyCastingParam` (0.38.1), as written there."""
+
+        def __new__(cls, model, key, tensor):
+            return super().__new__(cls, tensor)
+
+        def __init__(self, model, key, tensor):
+            self.model = model
+            self.key = key
+
+        @property
+        def device(self):
+            return custom_torch_device
+
+        def to(self, *args, **kwargs):
+            return self.model.patch_weight_to_device(self.key, device_to=self.model.load_device,
+                                                     return_weight=True).to("cpu")
+
+    return LazyCastingParam
+
+
+LazyCastingParam = _lazy_casting_param_class()
+
+
+def model_state_dict_for_saving(self, model=None, prefix=""):
+    """comfy/model_patcher.py `ModelPatcher.model_state_dict_for_saving` (0.38.1), less its branch for comfy-kitchen
+    QuantizedTensor weights (`LazyCastingQuantizedParam`), which no layer of these tests holds: every `weight` /
+    `bias` of a layer with `comfy_cast_weights` that the load did not patch (`comfy_patched_weights`; never set
+    under dynamic VRAM) becomes a LazyCastingParam, cast (LoRA merged) when safetensors moves it to the CPU."""
+    import comfy.utils
+
+    if model is None:
+        model = self.model
+    original_state_dict = model.state_dict()
+    output_state_dict = {}
+    keys = list(original_state_dict)
+    while len(keys) > 0:
+        k = keys.pop(0)
+        v = original_state_dict[k]
+        op_keys = k.rsplit('.', 1)
+        if (len(op_keys) < 2) or op_keys[1] not in ["weight", "bias"]:
+            output_state_dict[k] = v
+            continue
+        try:
+            op = comfy.utils.get_attr(model, op_keys[0])
+        except Exception:
+            output_state_dict[k] = v
+            continue
+        if not op or not hasattr(op, "comfy_cast_weights") or \
+                (hasattr(op, "comfy_patched_weights") and op.comfy_patched_weights == True):  # noqa: E712
+            output_state_dict[k] = v
+            continue
+        key = prefix + k
+        weight = comfy.utils.get_attr(self.model, key)
+        output_state_dict[k] = LazyCastingParam(self, key, weight)
+    return output_state_dict
+
+
+@contextlib.contextmanager
+def core_save_038(monkeypatch) -> Iterator[None]:
+    """0.38.1's `model_state_dict_for_saving`, `LazyCastingParam` and `patch_weight_to_device` (which the lazy
+    cast calls with `return_weight=True`, unknown to 0.3.75's) swapped into 0.3.75's ModelPatcher for the block."""
+    import comfy.model_patcher
+
+    with monkeypatch.context() as patch:
+        patch.setattr(comfy.model_patcher, "LazyCastingParam", LazyCastingParam, raising=False)
+        patch.setattr(comfy.model_patcher.ModelPatcher, "model_state_dict_for_saving", model_state_dict_for_saving,
+                      raising=False)
+        patch.setattr(comfy.model_patcher.ModelPatcher, "patch_weight_to_device", patch_weight_to_device)
+        yield

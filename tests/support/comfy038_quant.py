@@ -16,9 +16,11 @@ writes them (read from Comfy-Org/ComfyUI, 2026-11), and everything else stays 0.
   `torch.nn.Module` + `MixedPrecisionOp` (not `nn.Linear`) loading through `_load_quantized_module`; every other
   layer, `Conv2d` included, is `manual_cast`'s, i.e. torch's own `_load_from_state_dict` (0.38 gives
   `disable_weight_init.Conv2d` no loader of its own). Its forward here is the one 0.38 takes on a CPU, where
-  `get_disabled_quant_formats` disables every quantized format (`_full_precision_mm`): the weight is dequantized
-  and `F.linear` runs in the input's dtype. Its `state_dict` is 0.38's `_quantized_weight_state_dict` (what
-  ComfyUI's memory accounting reads) and its `_apply` 0.38's `_quantized_apply`.
+  `get_disabled_quant_formats` disables every quantized format (`_full_precision_mm`): the weight is dequantized,
+  the layer's per-forward patches (dynamic VRAM's `weight_lowvram_function`, then `weight_function`) are applied
+  to it as 0.38's `cast_bias_weight` does, and `F.linear` runs in the input's dtype. Its `state_dict` is 0.38's
+  `_quantized_weight_state_dict` (what ComfyUI's memory accounting reads) and its `_apply` 0.38's
+  `_quantized_apply`.
 - Loading the model: comfy/model_base.py `BaseModel.load_model_weights` (0.38) is `load_state_dict(to_load,
   strict=False)`, as in 0.3.75: unexpected keys are logged, a shape mismatch raises.
 """
@@ -235,7 +237,20 @@ def mixed_precision_ops(compute_dtype: torch.dtype = torch.float32, disabled=COR
                 if _is_quantized(weight):
                     weight = weight.dequantize()
                 bias = None if self.bias is None else self.bias.to(input.dtype)
-                return torch.nn.functional.linear(input, weight.to(input.dtype), bias)
+                weight = weight.to(input.dtype)
+                # 0.38's cast (`cast_bias_weight`, its `post_cast`) applies a layer's per-forward patches to the
+                # real-valued weight: dynamic VRAM's `<param>_lowvram_function` first, then `<param>_function`
+                for name in ("weight", "bias"):
+                    value = weight if name == "weight" else bias
+                    if value is None:
+                        continue
+                    lowvram = getattr(self, f"{name}_lowvram_function", None)
+                    if lowvram is not None:
+                        value = lowvram(value.clone())
+                    for patch in getattr(self, f"{name}_function", None) or ():
+                        value = patch(value)
+                    weight, bias = (value, bias) if name == "weight" else (weight, value)
+                return torch.nn.functional.linear(input, weight, bias)
 
     return MixedPrecisionOps
 
