@@ -263,7 +263,9 @@ def test_loader_gives_a_resident_int8_model(pack, kind, models_dir, monkeypatch)
     # a plain float file loads through the same ops as the float model it came from
     plain = load_int8_state_dict(dict(base_state))
     assert not int8_resident_layers(plain.model.diffusion_model)
-    assert torch.equal(sample(plain, kind, steps=2), float_out)
+    # the same float ops on the same values; not bit-identical on every CPU (on an Intel Xeon with AVX-512 the SD3
+    # model built from the state dict differed by 7.5e-8 relative, float rounding in the GEMMs)
+    assert rel(sample(plain, kind, steps=2), float_out) < 1e-6
 
 
 def _run_patched(patcher, kind: str, lowvram: bool) -> torch.Tensor:
