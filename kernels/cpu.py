@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import environment
-from .compiled import CompiledOrEager
+from .compiled import CompiledOrEager, distinct_sizes
 from .quant import (
     affine_qparams,
     as_contiguous,
@@ -92,13 +92,15 @@ def quantize_tensor_u8_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 _QUANTIZER_DISABLED = environment.compiled_quantizer_disabled_reason()
+# Compiled at their first call whatever its size (compile_ahead), with sizes that need not stay equal: so a
+# new batch or resolution, whichever first brings an activation over the floor, compiles nothing.
 quantize_rows_u8 = CompiledOrEager(
     quantize_rows_u8_eager, name="per-row activation quantizer", min_numel=COMPILE_MIN_NUMEL,
-    float32_no_grad=True, disabled_reason=_QUANTIZER_DISABLED,
+    float32_no_grad=True, disabled_reason=_QUANTIZER_DISABLED, compile_ahead=True, config_patches=distinct_sizes(),
 )  # fmt: skip
 quantize_tensor_u8 = CompiledOrEager(
     quantize_tensor_u8_eager, name="per-tensor activation quantizer", min_numel=COMPILE_MIN_NUMEL,
-    float32_no_grad=True, disabled_reason=_QUANTIZER_DISABLED,
+    float32_no_grad=True, disabled_reason=_QUANTIZER_DISABLED, compile_ahead=True, config_patches=distinct_sizes(),
 )  # fmt: skip
 
 

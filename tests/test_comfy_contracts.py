@@ -20,7 +20,7 @@ from comfyui_int8_accel.nodes.int8.modules import Int8Linear
 from harness.tiny_models import build_tiny_model, detect_tiny, latent_channels, make_conditioning, sample
 from tests.support import comfy038
 from tests.support.int8_checks import ALL_INT8, WEIGHT_ERROR_SCALE, all_int8_layers, rel
-from tests.support.lora import apply_lora, make_lora
+from tests.support.lora import apply_lora, lora_for_shapes, make_lora
 
 # How ComfyUI hands LoRA to a layer: merged into the weight at load; per forward through 0.3.75's LowVramPatch
 # (calls convert_func) or 0.38.1's (never does), both in `weight_function`; or through 0.38.1's dynamic VRAM
@@ -307,3 +307,64 @@ def test_core_save_nodes_write_a_loaded_int8_model_in_the_int8_format(comfy_root
         assert int8_calls > 0
         assert rel(out, expected[label]) < 1e-3, (label, rel(out, expected[label]))
     assert rel(expected["lora"], expected["plain"]) > 0.01  # the LoRA took effect, and is in the file
+
+
+def _dm(patcher) -> torch.nn.Module:
+    return patcher.model.diffusion_model
+
+
+def _dynamic_prompt(patcher, monkeypatch) -> tuple[torch.Tensor, int]:
+    """One prompt under 0.38.1's dynamic VRAM: `partially_load` (which starts `load` with
+    `restore_loaded_backups`), then a model call; the model stays loaded, as between prompts there."""
+    gen = torch.Generator().manual_seed(3)
+    positive, _ = make_conditioning("sd15", batch=2)
+    x, t = torch.randn(2, latent_channels("sd15"), 16, 16, generator=gen), torch.tensor([700.0, 700.0])
+    with comfy038.dynamic_vram_casts(monkeypatch), torch.inference_mode():
+        comfy038.partially_load(patcher)
+        cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
+        cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
+        with record_calls() as counted:
+            out = patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
+    return out, sum(n for (op, backend, path), n in counted.items() if path == "int8")
+
+
+def test_small_loaded_int8_layers_with_lora_compute_the_same_on_the_second_dynamic_vram_prompt(comfy_root,
+                                                                                                monkeypatch):
+    """ComfyUI 0.38.1's `ModelPatcherDynamic.load` (comfy/model_patcher.py, stored copy of commit
+    08d0e510f4e539a1db39072589817136ac6cfa7d; `comfy038.dynamic_load`) force-loads layers of 16 KiB or less
+    through `patch_weight_to_device(force_cast=True)`: the LoRA'd INT8 layer's `set_weight` installs a requantized
+    weight and a fresh `weight_scale` buffer; only then does its `named_buffers` loop record `backup_buffers`,
+    so the fresh scale is what it backs up. The next `load` (the next prompt) and an unload start with
+    `restore_loaded_backups`: the original int8 weight by `set_attr_param`, then that fresh scale by
+    `set_attr_buffer` (register_buffer). Before, the layer then held the original weight with the requantized
+    weight's scale: the second prompt dequantized it wrongly and added the LoRA on top of that, and after an
+    unload the LoRA-free model computed with it too. The layer now refuses a scale restore that does not belong
+    to its weight."""
+    import comfy.model_management
+
+    detect_tiny(monkeypatch, "sd15")
+    base = build_tiny_model("sd15")
+    dm = base.model.diffusion_model
+    loaded = load_int8_state_dict(int8_state_dict(dm.state_dict().items(), all_int8_layers(dm)))
+    small = {name: tuple(layer.weight.shape) for name, layer in int8_resident_layers(_dm(loaded)).items()
+             if comfy.model_management.module_size(layer) <= comfy038.SMALL_LAYER_BYTES}
+    assert len(small) >= 3
+    lora = lora_for_shapes(dict(list(small.items())[:6]), scale=2.0)
+    float_lora, _ = _model_call(apply_lora(base, lora), "merged", monkeypatch)
+    plain, _ = _model_call(loaded, "merged", monkeypatch)
+    merged, _ = _model_call(apply_lora(loaded, lora), "merged", monkeypatch)  # 0.3.75 merges LoRA at load
+    int8_error = rel(merged, float_lora)
+
+    patched = apply_lora(loaded, lora)
+    first, first_int8 = _dynamic_prompt(patched, monkeypatch)
+    second, second_int8 = _dynamic_prompt(patched, monkeypatch)
+    assert first_int8 > 0 and second_int8 > 0  # the INT8 kernels really ran
+    assert rel(first, merged) < 1e-4  # the first prompt is right: LoRA on the original weight, requantized
+    assert rel(first, plain) > 0.01  # the LoRA took effect
+    assert rel(second, first) < 1e-5, rel(second, first)  # and the second computes the same
+    assert rel(second, float_lora) < 1.5 * int8_error + 1e-3
+
+    comfy038.dynamic_unpatch_model(patched)  # an unload: restore_loaded_backups once more
+    for name, layer in int8_resident_layers(_dm(loaded)).items():
+        assert torch.equal(layer.weight_scale, layer.base_weight_scale), name
+    assert torch.equal(_model_call(loaded, "merged", monkeypatch)[0], plain)  # nothing left behind

@@ -629,6 +629,46 @@ def test_compiled_or_eager_honours_min_numel_and_disabled_reason():
     assert off.compiled is None and never == [] and off.disabled_reason == "switched off"
 
 
+def test_compiled_or_eager_compiles_ahead_on_a_stand_in():
+    """With compile_ahead, the first call below min_numel compiles (on a stand-in, its own result stays eager), so
+    no later size compiles, non-square and other batches included; after torch._dynamo.reset() the next small
+    call compiles again."""
+    from comfyui_int8_accel.kernels.compiled import distinct_sizes
+
+    def scale_rows(x):
+        return x * x.abs().amax(dim=(-2, -1), keepdim=True).reciprocal()
+
+    compiles: list = []
+    wrapped = CompiledOrEager(scale_rows, name="scale", compile_kwargs={"backend": _counting_backend(compiles),
+                                                                        "dynamic": True},
+                              min_numel=4096, compile_ahead=True, config_patches=distinct_sizes())
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        small = torch.randn(1, 3, 4, 4)
+        assert torch.equal(wrapped(small), scale_rows(small)) and compiles == [1]
+        assert torch.equal(wrapped(small), scale_rows(small)) and compiles == [1]
+        for shape in ((2, 8, 16, 16), (3, 8, 24, 16), (4, 16, 16, 24)):  # square, then not
+            x = torch.randn(shape)
+            assert torch.equal(wrapped(x), scale_rows(x))
+        assert compiles == [1], "a new size compiled"
+        torch._dynamo.reset()
+        wrapped(small)
+    assert compiles == [1, 1] and wrapped.disabled_reason is None
+
+
+def test_stand_in_tensor_is_large_and_laid_out_like_the_input():
+    from comfyui_int8_accel.kernels.compiled import stand_in_tensor
+
+    x = torch.randn(1, 8, 3, 1).contiguous(memory_format=torch.channels_last)
+    stand_in = stand_in_tensor(x, 1000)
+    assert stand_in.shape[1:] == (8, 3, 2) and stand_in.numel() >= 1000 and stand_in.shape[0] > 1
+    assert stand_in.is_contiguous(memory_format=torch.channels_last) and not stand_in.is_inference()
+    with torch.inference_mode():
+        inference = torch.randn(5, 7)
+    stand_in = stand_in_tensor(inference, 100)
+    assert stand_in.shape == (15, 7) and stand_in.is_contiguous() and stand_in.is_inference()
+
+
 def test_compiled_or_eager_float32_no_grad_and_genuine_errors():
     seen = []
 

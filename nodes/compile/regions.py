@@ -3,10 +3,8 @@ settings and shared by every model compiled with them, with their compile times 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,28 +57,19 @@ def mark_cuda_graph_step(settings: CompileSettings) -> None:
 
 
 class CompiledRegion(CompiledOrEager):
-    """A function compiled with the node's settings (eager for good if compiling fails), named in the log;
-    `config_patches` ((config module, settings) pairs) are put in force around each call, since torch.compile
-    reads them when a call compiles. With `copies_outputs` (the CUDA-graph modes) the tensors it returns are
-    copies outside the CUDA-graph memory pool, so no later replay can overwrite what the model keeps (skip
-    connections, DeepCache's cached features, a sampler's previous output)."""
+    """A function compiled with the node's settings (eager for good if compiling fails), named in the log, with
+    `config_patches` in force while it compiles (see `CompiledOrEager`). With `copies_outputs` (the CUDA-graph
+    modes) the tensors it returns are copies outside the CUDA-graph memory pool, so no later replay can overwrite
+    what the model keeps (skip connections, DeepCache's cached features, a sampler's previous output)."""
 
-    def __init__(self, fn, *, config_patches: list[tuple[Any, dict]] | None = None, copies_outputs: bool = False,
-                 **kwargs) -> None:
+    def __init__(self, fn, *, copies_outputs: bool = False, **kwargs) -> None:
         super().__init__(fn, **kwargs)
-        self.config_patches = list(config_patches or [])
         self.copies_outputs = copies_outputs
 
     def __call__(self, *args, **kwargs):
         _region_state.name = self.name
         try:
-            if not self.config_patches or self.disabled_reason is not None:
-                output = super().__call__(*args, **kwargs)
-            else:
-                with contextlib.ExitStack() as stack:
-                    for module, changes in self.config_patches:
-                        stack.enter_context(module.patch(changes))
-                    output = super().__call__(*args, **kwargs)
+            output = super().__call__(*args, **kwargs)
         finally:
             _region_state.name = None
         if self.copies_outputs and self.disabled_reason is None:

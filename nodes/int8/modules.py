@@ -101,6 +101,18 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
             self._buffers["weight_scale"] = self.base_weight_scale.to(self._buffers["weight_scale"].device)
         super().__setattr__(name, value)
 
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        # ComfyUI 0.38's dynamic VRAM restores its buffer backups with `register_buffer` (`set_attr_buffer`), after
+        # the weights, and backs the buffers up only after a force-load's `set_weight` has requantized: the scale
+        # it puts back can be the requantized weight's, beside the original weight. The scale changes only with its
+        # weight (set_weight, a weight restore); a write from outside may move or cast it, never change it.
+        current = self._buffers.get("weight_scale") if name == "weight_scale" else None
+        if current is not None and not self.__dict__.get("_initializing", True) and tensor is not None:
+            if not torch.equal(tensor.to(current.device, current.dtype), current):
+                tensor = current.to(tensor.device)  # a stale backup: keep the scale, on the device asked for
+            tensor = tensor.to(torch.float32)
+        super().register_buffer(name, tensor, persistent)
+
     def _scale_view(self, like: torch.Tensor) -> torch.Tensor:
         return self.weight_scale.to(like.device, torch.float32).view(-1, *([1] * (like.ndim - 1)))
 

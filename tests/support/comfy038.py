@@ -261,3 +261,150 @@ def core_save_038(monkeypatch) -> Iterator[None]:
                       raising=False)
         patch.setattr(comfy.model_patcher.ModelPatcher, "patch_weight_to_device", patch_weight_to_device)
         yield
+
+
+# --- dynamic VRAM's load / unload across prompts: comfy/model_patcher.py and comfy/utils.py, stored copies of ------
+# --- commit 08d0e510f4e539a1db39072589817136ac6cfa7d (0.38-era) --------------------------------------------------
+
+def set_attr_param(obj, attr, value):
+    """comfy/utils.py `set_attr_param` (0.38.1): a frozen Parameter (an inference tensor is cloned outside
+    inference mode), set with `setattr`."""
+    import comfy.utils
+
+    if (not torch.is_inference_mode_enabled()) and value.is_inference():
+        value = value.clone()
+    return comfy.utils.set_attr(obj, attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+def set_attr_buffer(obj, attr, value):
+    """comfy/utils.py `set_attr_buffer` (0.38.1; 0.3.75 has none): `register_buffer` on the owning module."""
+    *path, name = attr.split(".")
+    for part in path:
+        obj = getattr(obj, part)
+    prev = getattr(obj, name, None)
+    persistent = name not in getattr(obj, "_non_persistent_buffers_set", set())
+    obj.register_buffer(name, value, persistent=persistent)
+    return prev
+
+
+def backup_buffers(patcher) -> dict:
+    """`ModelPatcher.backup_buffers` (0.38.1; 0.3.75's patcher has none): shared by a patcher's clones there, kept
+    on the model here so every clone of one model sees the same dict."""
+    return patcher.model.__dict__.setdefault("backup_buffers_038", {})
+
+
+def restore_loaded_backups(patcher) -> int:
+    """comfy/model_patcher.py `ModelPatcherDynamic.restore_loaded_backups` (0.38.1), as written there: every
+    backed-up weight goes back with `set_attr_param`, then every backed-up buffer with `set_attr_buffer`;
+    `model_loaded_weight_memory` is reported freed and zeroed."""
+    restored = patcher.model.model_loaded_weight_memory
+    for key in list(patcher.backup.keys()):
+        bk = patcher.backup.pop(key)
+        set_attr_param(patcher.model, key, bk.weight)
+    buffers = backup_buffers(patcher)
+    for key in list(buffers.keys()):
+        set_attr_buffer(patcher.model, key, buffers.pop(key))
+    patcher.model.model_loaded_weight_memory = 0
+    return restored
+
+
+CPU = torch.device("cpu")
+
+
+def dynamic_load(patcher, device_to=CPU) -> None:
+    """comfy/model_patcher.py `ModelPatcherDynamic.load` (0.38.1), its order kept, less the VBAR and pinned-host
+    parts a CPU cannot run: `restore_loaded_backups()` first; per layer with `comfy_cast_weights`, a layer of
+    more than 16 KiB gets a VBAR slot (`_v`, a placeholder) and `setup_param` (a `LowVramPatch` in
+    `<param>_lowvram_function` where the key has patches, `<param>_function` empty), a smaller one
+    `force_load_param` (the backed-up weight put back if there is one, then `patch_weight_to_device(key,
+    force_cast=True)`, its bytes counted in `model_loaded_weight_memory`); then the loop over
+    `model.named_buffers()` that records each buffer in `backup_buffers` (if not there yet), sets it again cast to
+    `device_to` and counts it; `current_weight_patches_uuid` is set. Run it inside `dynamic_vram_casts`."""
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.utils
+
+    restore_loaded_backups(patcher)
+    model = patcher.model
+
+    def force_load_param(name, param_key):
+        key = f"{name}.{param_key}"
+        weight, _, _ = comfy.model_patcher.get_key_weight(model, key)
+        if weight is None:
+            return
+        if key in patcher.backup:
+            set_attr_param(model, key, patcher.backup[key].weight)
+        patch_weight_to_device(patcher, key, device_to=device_to, force_cast=True)
+        weight, _, _ = comfy.model_patcher.get_key_weight(model, key)
+        if weight is not None:
+            model.model_loaded_weight_memory += weight.numel() * weight.element_size()
+
+    for name, module in list(_comfy_cast_layers(model)):
+        module.comfy_cast_weights = True
+        module.seed_key = name
+        if comfy.model_management.module_size(module) > SMALL_LAYER_BYTES:
+            for param in ("weight", "bias"):
+                key = f"{name}.{param}"
+                patch = comfy.model_patcher.LowVramPatch(key, patcher.patches) if key in patcher.patches else None
+                setattr(module, f"{param}_lowvram_function", patch)
+                setattr(module, f"{param}_function", [])
+            if not hasattr(module, "_v"):
+                module._v = object()
+        else:
+            module.__dict__.pop("_v", None)
+            force_load_param(name, "weight")
+            force_load_param(name, "bias")
+    buffers = backup_buffers(patcher)
+    for key, buf in model.named_buffers(recurse=True):
+        if key not in buffers:
+            buffers[key] = buf
+        *path, buf_name = key.split(".")
+        module = comfy.utils.get_attr(model, ".".join(path)) if path else model
+        model_dtype = getattr(module, buf_name + "_comfy_model_dtype", None)
+        casted_buf = buf.to(dtype=model_dtype, device=device_to)
+        set_attr_buffer(model, key, casted_buf)
+        model.model_loaded_weight_memory += casted_buf.numel() * casted_buf.element_size()
+    model.device = device_to
+    model.current_weight_patches_uuid = patcher.patches_uuid
+
+
+def partially_load(patcher, device_to=CPU) -> None:
+    """comfy/model_patcher.py `ModelPatcherDynamic.partially_load` (0.38.1), how `load_models_gpu`
+    loads a dynamic model: `unpatch_model(unpatch_weights=False)` (object patches taken off,
+    weights left), `patch_model(load_weights=False)` (object patches put on), then `load`."""
+    patcher.unpatch_model(patcher.offload_device, unpatch_weights=False)
+    patcher.patch_model(load_weights=False)
+    dynamic_load(patcher, device_to)
+
+
+def partially_unload(patcher, memory_to_free: float = 0) -> int:
+    """comfy/model_patcher.py `ModelPatcherDynamic.partially_unload` (0.38.1) with no VBAR to free (the CPU
+    stands in for it): `restore_loaded_backups()` and its count reported as freed."""
+    freed = 0
+    if freed < memory_to_free:
+        freed += restore_loaded_backups(patcher)
+    return freed
+
+
+def dynamic_unpatch_model(patcher) -> None:
+    """comfy/model_patcher.py `ModelPatcherDynamic.unpatch_model` (0.38.1, `unpatch_weights=True`: an unload):
+    the base class with `unpatch_weights=False`, then `partially_unload(None, 1e32)`; the per-layer state
+    `load` left is cleared here too, so the model is 0.3.75's again."""
+    patcher.unpatch_model(device_to=None, unpatch_weights=False)
+    partially_unload(patcher, 1e32)
+    for _, module in _comfy_cast_layers(patcher.model):
+        for attr in ("weight_lowvram_function", "bias_lowvram_function", "weight_function", "bias_function", "_v",
+                     "seed_key"):
+            module.__dict__.pop(attr, None)
+        module.__dict__.pop("comfy_cast_weights", None)
+    patcher.model.current_weight_patches_uuid = None
+
+
+@contextlib.contextmanager
+def dynamic_vram_casts(monkeypatch) -> Iterator[None]:
+    """0.38.1's `LowVramPatch.__call__` and streamed-layer cast (see `dynamic_vram_load`) for the block."""
+    import comfy.ops
+
+    with lowvram_patch_without_convert(monkeypatch), monkeypatch.context() as patch:
+        patch.setattr(comfy.ops, "cast_bias_weight", _streamed_cast(comfy.ops.cast_bias_weight))
+        yield
