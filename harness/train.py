@@ -30,9 +30,9 @@ from harness import trained_models as tm  # noqa: E402
 
 # per family: optimiser steps (the default), learning rate
 RECIPES = {
-    "sd15": {"steps": 800, "lr": 1e-3},
-    "flux": {"steps": 500, "lr": 1e-3},
-    "wan21": {"steps": 500, "lr": 1e-3},
+    "sd15": {"steps": 493, "lr": 1e-3},
+    "flux": {"steps": 437, "lr": 1e-3},
+    "wan21": {"steps": 428, "lr": 1e-3},
 }
 BATCH = 16
 EMA = 0.995
@@ -180,12 +180,12 @@ def train(kind: str, steps: int | None = None, seed: int = 0, out_dir: Path | No
             x0 = batch_of(images, gen)
             noise = torch.randn(x0.shape, generator=gen)
             ctx = context.expand(BATCH, -1, -1)
-            if kind == "sd15":  # eps-prediction on SD's discrete schedule
+            if kind == "sd15":  # v-prediction on SD's discrete schedule
                 t = torch.randint(0, 1000, (BATCH,), generator=gen)
                 ac = 1 / (1 + sampling.sigmas[t].float().view(-1, 1, 1, 1) ** 2)  # alphas_cumprod
                 x_in = ac.sqrt() * x0 + (1 - ac).sqrt() * noise
                 pred = net(x_in, t.float(), context=ctx)
-                target = noise
+                target = ac.sqrt() * noise - (1 - ac).sqrt() * x0
             else:  # rectified flow, logit-normal sigma: x = (1 - s) x0 + s n, velocity n - x0
                 sigma = torch.sigmoid(torch.randn(BATCH, generator=gen))
                 s = sigma.view(-1, 1, 1, 1)
@@ -228,7 +228,7 @@ def train(kind: str, steps: int | None = None, seed: int = 0, out_dir: Path | No
     config = {
         "kind": kind, "comfy_config_class": tm.CONFIG_CLASSES[kind], "unet_config": tm.UNET_CONFIGS[kind],
         "shift": tm.SHIFTS.get(kind), "parameters": n_params, "image_size": tm.IMAGE_SIZE, "pixel_space": True,
-        "objective": "eps-prediction, SD discrete schedule" if kind == "sd15" else
+        "objective": "v-prediction, SD discrete schedule" if kind == "sd15" else
         "rectified flow (velocity), logit-normal sigma",
         "steps": steps, "batch": BATCH, "optimizer": "AdamW", "lr": recipe["lr"], "warmup": WARMUP,
         "weight_decay": WEIGHT_DECAY, "grad_clip": 1.0, "ema": EMA, "seed": seed, "threads": 1,

@@ -3,7 +3,9 @@
 Three families, each built from ComfyUI's own model classes and trained in pixel space (32x32 RGB, values in
 [-1, 1]) on the template images ComfyUI's `comfyui_workflow_templates_media_*` packages ship:
 
-* `sd15`: an SD1.5-family UNet (`comfy.supported_models.SD15`), eps-prediction on SD's discrete schedule;
+* `sd15`: an SD1.5-family UNet (`comfy.supported_models.SD15`), v-prediction on SD's discrete schedule (as
+  SD1.5 v-prediction fine-tunes and SD2.x 768 do; a few minutes of eps-prediction left errors at the highest
+  noise levels that the sampler amplified into noise-like pictures);
 * `flux`: a Flux-family transformer (`comfy.supported_models.Flux`), rectified flow;
 * `wan21`: a Wan 2.1 text-to-video transformer (`comfy.supported_models.WAN21_T2V`) on one-frame videos,
   rectified flow.
@@ -80,6 +82,10 @@ def model_config(kind: str):
     cfg = getattr(sm, CONFIG_CLASSES[kind])(dict(UNET_CONFIGS[kind]))
     if kind == "sd15":
         cfg.unet_config.update(num_head_channels=32, num_heads=-1)  # the SD15 class would impose 64
+    if kind == "sd15":  # v-prediction: what ComfyUI's ModelSamplingDiscrete v_prediction (or a v_pred key) selects
+        import comfy.model_base
+
+        cfg.model_type = lambda state_dict=None, prefix="": comfy.model_base.ModelType.V_PREDICTION
     if kind in SHIFTS:
         cfg.sampling_settings = dict(cfg.sampling_settings, shift=SHIFTS[kind])
     cfg.latent_format = _pixel_latent_format(kind)
