@@ -366,7 +366,7 @@ RANDOM_NOTE = (
     "differs from a random network's, so the PSNR gaps between the methods are indications, not "
     "predictions for trained checkpoints.\n\n")
 TRAINED_NOTE = (
-    "What these trained models can and cannot show: they are small (2-3 M parameters, 32x32 pixels, a few CPU "
+    "What these trained models can and cannot show: they are small (1.7-2.8 M parameters, 32x32 pixels, a few CPU "
     "minutes of training) but have learned to denoise pictures, so their deep features move from step to step "
     "the way a trained denoiser's do, which is what decides between reuse and forecast and what EasyCache's and "
     "LazyCache's thresholds react to. PSNR is of the sampled pictures against the uncached run of the same "
