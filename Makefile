@@ -6,7 +6,7 @@ export PY
 # INT8_ACCEL_SKIP_BROWSER=1 is the one explicit opt-out: the set-up is not attempted and those tests skip
 # with that reason in pytest's summary.
 
-.PHONY: setup setup-browser test test-kernels test-floor test-torch211 test-inprocess test-server test-gpu gpu-bundle gpu-run demo bench lint checkpoint
+.PHONY: setup setup-browser test test-kernels test-floor test-torch211 test-inprocess test-server test-gpu gpu-bundle gpu-run demo bench lint checkpoint train-models
 
 # The kernel tier (tests/support/tiers.py): tests of kernels/ alone, which run without importing ComfyUI.
 KERNEL_TESTS = tests/test_kernels*.py
@@ -78,6 +78,11 @@ gpu-run:
 
 demo: setup
 	@$(PY) -m scripts.demo
+
+# Retrain the small diffusion models of harness/weights/ (deterministic, one thread, about ten CPU minutes each
+# on an idle machine): python -m harness.train --kind sd15|flux|wan21 retrains one.
+train-models: setup
+	@$(PY) -m harness.train
 
 bench: setup
 	@for b in bench/bench_*.py; do $(PY) $$b || exit 1; done

@@ -19,7 +19,12 @@ did not skip). The matched table puts each DeepCache setting next to EasyCache a
 (their PSNR interpolated along the sweep); the goals lines compare forecast with reuse at interval 5 (PSNR) and at
 reuse interval 3's PSNR (forecast's speed-up interpolated along its intervals).
 
-Usage: .venv/bin/python bench/bench_deepcache.py [--model sd15|flux|both] [--quick] [--rounds N]
+Trained models (--model trained, or trained-sd15 / trained-flux / trained-wan21): the small pixel-space models of
+harness/trained_models.py (SD1.5-family UNet, Flux-family and Wan 2.1 transformers, 32x32), cfg 1, a batch of
+4 pictures, PSNR of the pictures; writes bench/results/deepcache_trained.md (deepcache_trained_start15.md with
+--deepcache-start 0.15).
+
+Usage: .venv/bin/python bench/bench_deepcache.py [--model sd15|flux|both|trained|trained-KIND] [--quick] [--rounds N]
                                                 [--thresholds T,T,...] [--flux-blocks D,S] [--out PATH]
                                                 [--time-response as-initialised|smooth] [--deepcache-start P]
   default: both models; sd15 512x512 20 steps, flux 256x256 20 steps (--sd15-size, --flux-size); 1 round; writes bench/results/deepcache.md
@@ -129,6 +134,29 @@ def flux_workload(size: int, steps: int, double: int, single: int) -> Workload:
                     "euler / normal, guidance 3.5, cfg 1, 128 text tokens, batch 1")
 
 
+TRAINED = {"trained-sd15": "sd15", "trained-flux": "flux", "trained-wan21": "wan21"}
+
+
+def trained_workload(kind: str, steps: int, batch: int, weights_dir: Path | None = None) -> Workload:
+    """A model trained here (harness/trained_models.py, pixel space 32x32): cfg 1 (they are unconditional),
+    `batch` pictures at once; PSNR of the picture (RGB in [-1, 1] mapped to [0, 1], peak 1)."""
+    from harness import trained_models as tm
+
+    model = tm.build_trained_model(kind, weights_dir=weights_dir)
+    net = model.get_model_object("diffusion_model")
+    deep = {"sd15": lambda: net.middle_block[0], "flux": lambda: net.double_blocks[1],
+            "wan21": lambda: net.blocks[1]}[kind]()
+    meta = tm.read_metadata(kind, weights_dir)
+    config = meta["config"]
+    positive = tm.make_conditioning(kind, batch, weights_dir)
+    family = {"sd15": "SD1.5-family UNet", "flux": "Flux-family transformer", "wan21": "Wan 2.1 transformer"}[kind]
+    return Workload(f"trained-{kind}", model, deep, positive, positive, tm.empty_latent(kind, batch), steps, 1.0,
+                    f"{family} trained here (`harness/weights/{kind}.safetensors`: {config['parameters'] / 1e6:.2f} M "
+                    f"parameters, {config['steps']} steps, final loss {meta['final_loss']}), pixel space "
+                    f"{tm.IMAGE_SIZE}x{tm.IMAGE_SIZE}, {steps} steps, euler / normal, cfg 1, batch {batch} (PSNR "
+                    "over the batch's pictures)", vae="pixels")
+
+
 def smooth_time_response(net, cutoff: float = SMOOTH_TIME_CUTOFF) -> tuple[int, int]:
     """Zero the first time layer's weights on sinusoids faster than `cutoff`; returns how many frequencies stay
     and how many there are.
@@ -193,7 +221,9 @@ def run_workload(work: Workload, thresholds: tuple[float, ...], rounds: int,
                 result.deep_passes = passes[0]
                 if result.latent is None:
                     result.latent = latent.float().clone()
-                    if work.vae is not None:
+                    if work.vae == "pixels":  # pixel-space models: the sample is the picture in [-1, 1]
+                        result.image = ((latent.float() + 1) / 2).clamp(0, 1).clone()
+                    elif work.vae is not None:
                         with torch.inference_mode():
                             result.image = work.vae.decode(latent).clamp(0, 1).clone()
                 print(f"[{work.name}] round {round_index + 1}/{rounds} {name:>22}: {wall:7.2f} s wall, "
@@ -268,7 +298,11 @@ def tables(work: Workload, results: dict[str, Result]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("sd15", "flux", "both"), default="both")
+    parser.add_argument("--model", choices=("sd15", "flux", "both", *TRAINED, "trained"), default="both",
+                        help="trained: the three models trained here (harness/weights), one after another")
+    parser.add_argument("--batch", type=int, default=4, help="pictures per sample on the trained models")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="folder of the trained models' files (default harness/weights)")
     parser.add_argument("--quick", action="store_true", help="small sizes and 6 steps: a fast sanity run")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (median reported)")
     parser.add_argument("--thresholds", default=",".join(f"{t:g}" for t in THRESHOLDS),
@@ -284,7 +318,11 @@ def main() -> None:
     args = parser.parse_args()
     thresholds = tuple(float(t) for t in args.thresholds.split(","))
     double, single = (int(n) for n in args.flux_blocks.split(","))
-    out_path = args.out or (None if args.quick else REPO_ROOT / "bench" / "results" / "deepcache.md")
+    default_name = "deepcache.md"
+    if args.model.startswith("trained"):
+        default_name = "deepcache_trained.md" if args.deepcache_start == 0 else \
+            f"deepcache_trained_start{round(args.deepcache_start * 100)}.md"
+    out_path = args.out or (None if args.quick else REPO_ROOT / "bench" / "results" / default_name)
 
     from harness.comfy_host import import_comfy, load_pack
 
@@ -295,8 +333,13 @@ def main() -> None:
 
     sections = []
     start_load = os.getloadavg()
-    for name in (("sd15", "flux") if args.model == "both" else (args.model,)):
-        if name == "sd15":
+    names = {"both": ("sd15", "flux"), "trained": tuple(TRAINED)}.get(args.model, (args.model,))
+    if args.model.startswith("trained"):
+        torch.set_num_threads(1)  # small models: one thread is steadier on a shared machine
+    for name in names:
+        if name in TRAINED:
+            work = trained_workload(TRAINED[name], 6 if args.quick else 20, args.batch, args.weights)
+        elif name == "sd15":
             work = sd15_workload(*((128, 6) if args.quick else (args.sd15_size, 20)))
         else:
             work = flux_workload(*((64, 6) if args.quick else (args.flux_size, 20)), double, single)
@@ -314,26 +357,41 @@ def main() -> None:
         comfy.model_management.unload_all_models()
         gc.collect()
 
+RANDOM_NOTE = (
+    "What random weights can and cannot show: the networks are the real architectures at real width, so the "
+    "time of every block, the share a cached step skips and the speed-ups carry over to trained weights of "
+    "the same shape. The outputs are noise-like, so PSNR measures how far caching drifts from the uncached "
+    "run of the same network, not image quality; how smoothly a trained model's deep features move from "
+    "step to step (what forecasting relies on, and what EasyCache's and LazyCache's thresholds react to) "
+    "differs from a random network's, so the PSNR gaps between the methods are indications, not "
+    "predictions for trained checkpoints.\n\n")
+TRAINED_NOTE = (
+    "What these trained models can and cannot show: they are small (1.7-2.8 M parameters, 32x32 pixels, a few CPU "
+    "minutes of training) but have learned to denoise pictures, so their deep features move from step to step "
+    "the way a trained denoiser's do, which is what decides between reuse and forecast and what EasyCache's and "
+    "LazyCache's thresholds react to. PSNR is of the sampled pictures against the uncached run of the same "
+    "model. Their speed-ups are not those of full-size models (the shallow blocks a cached step still runs are a "
+    "larger share of a small network, and fixed per-step costs weigh more): read the speed-ups of the "
+    "random-weight full-size tables (bench/results/deepcache.md) for that.\n\n")
+
+
 def write_results(out_path: Path | None, args, sections: list[str], start_load: tuple) -> None:
     """Write what is measured so far (after each model, so a long run leaves its first model's tables)."""
     if out_path is None:
         return
     command = " ".join(["bench/bench_deepcache.py", *sys.argv[1:]])
     load = os.getloadavg()
+    trained = args.model.startswith("trained")
+    weights = ("Trained weights (the models `python -m harness.train` makes, harness/weights/)" if trained
+               else "Random weights")
     text = (
         "# DeepCache reuse / forecast, ComfyUI's EasyCache and LazyCache\n\n"
-        f"CPU: {cpu_line()}.\n\nRandom weights, in-process `comfy.sample.sample`; median of {args.rounds} "
+        f"CPU: {cpu_line()}.\n\n{weights}, in-process `comfy.sample.sample`; median of {args.rounds} "
         f"interleaved round(s). DeepCache: cache_depth 1, start_percent {args.deepcache_start:g}, mode reuse or "
         "forecast. EasyCache and LazyCache: ComfyUI's "
         f"nodes, start_percent {EASYCACHE_START}, end_percent {EASYCACHE_END}, reuse_threshold as named. The "
         "matched table interpolates each of their sweeps linearly (CPU-time speed-up vs PSNR).\n\n"
-        "What random weights can and cannot show: the networks are the real architectures at real width, so the "
-        "time of every block, the share a cached step skips and the speed-ups carry over to trained weights of "
-        "the same shape. The outputs are noise-like, so PSNR measures how far caching drifts from the uncached "
-        "run of the same network, not image quality; how smoothly a trained model's deep features move from "
-        "step to step (what forecasting relies on, and what EasyCache's and LazyCache's thresholds react to) "
-        "differs from a random network's, so the PSNR gaps between the methods are indications, not "
-        "predictions for trained checkpoints.\n\n"
+        + (TRAINED_NOTE if trained else RANDOM_NOTE)
         + ("Smooth time response (`--time-response smooth`): the one change to the random weights is that the time "
            "MLP sees only slow sinusoids of the timestep, so the conditioning moves smoothly from step to step as a "
            "trained model's does; it shows what forecasting does with features that drift instead of jumping, "

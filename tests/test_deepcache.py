@@ -91,7 +91,7 @@ def test_node_interface(pack):
     assert list(required) == ["model", "cache_interval", "cache_depth", "start_percent", "end_percent"]
     # optional, so API prompts written before it existed still validate (test_server_runs_deepcache_... queues one)
     mode = node.INPUT_TYPES()["optional"]["mode"]
-    assert mode[0] == "COMBO" and mode[1]["options"] == ["reuse", "forecast"] and mode[1]["default"] == "reuse"
+    assert mode[0] == "COMBO" and mode[1]["options"] == ["reuse", "forecast"] and mode[1]["default"] == "forecast"
     assert required["cache_interval"][0] == "INT"
     assert (required["cache_interval"][1]["default"], required["cache_interval"][1]["min"],
             required["cache_interval"][1]["max"]) == (3, 1, 1000)

@@ -289,7 +289,7 @@ def sdxl_int8_deepcache() -> Workflow:
     def chain(loader: Node):
         made["quant"] = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_SETTINGS)
         cache = wf.add("Int8AccelDeepCache", (0, 640), (315, 130), model=(made["quant"], 0), cache_interval=3,
-                       cache_depth=1, start_percent=0.0, end_percent=1.0, mode="reuse")
+                       cache_depth=1, start_percent=0.0, end_percent=1.0, mode="forecast")
         return (cache, 0)
 
     _text_to_image(wf, SDXL, chain, SIZE, SIZE, 4, 7.0, "int8accel/sdxl_int8_deepcache", x0=0)
@@ -311,7 +311,7 @@ def sd3_int8_blockcache() -> Workflow:
     def chain(loader: Node):
         made["quant"] = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_SETTINGS)
         cache = wf.add("Int8AccelDeepCache", (0, 640), (315, 130), model=(made["quant"], 0), cache_interval=3,
-                       cache_depth=1, start_percent=0.0, end_percent=1.0, mode="reuse")
+                       cache_depth=1, start_percent=0.0, end_percent=1.0, mode="forecast")
         return (cache, 0)
 
     _text_to_image(wf, SD3, chain, SIZE, SIZE, 4, 4.5, "int8accel/sd3_int8_blockcache", sd3=True,
@@ -333,7 +333,7 @@ def sd15_full_stack_compile() -> Workflow:
     def chain(loader: Node):
         made["quant"] = wf.add("Int8AccelQuantize", (0, 400), (315, 200), model=(loader, 0), **QUANTIZE_SETTINGS)
         cache = wf.add("Int8AccelDeepCache", (0, 640), (315, 130), model=(made["quant"], 0), cache_interval=3,
-                       cache_depth=1, start_percent=0.0, end_percent=1.0, mode="reuse")
+                       cache_depth=1, start_percent=0.0, end_percent=1.0, mode="forecast")
         compiled = wf.add("Int8AccelCompile", (0, 810), (315, 130), model=(cache, 0), backend="inductor",
                           mode="default", dynamic="auto", fullgraph=False)
         return (compiled, 0)
@@ -355,7 +355,7 @@ def sd15_compare() -> Workflow:
     loader = wf.add("CheckpointLoaderSimple", (0, 260), (315, 98), ckpt_name=SD15)
     quant = wf.add("Int8AccelQuantize", (0, 420), (315, 200), model=(loader, 0), **QUANTIZE_SETTINGS)
     cache = wf.add("Int8AccelDeepCache", (0, 660), (315, 130), model=(quant, 0), cache_interval=3, cache_depth=1,
-                   start_percent=0.0, end_percent=1.0, mode="reuse")
+                   start_percent=0.0, end_percent=1.0, mode="forecast")
     pos = wf.add("CLIPTextEncode", (380, 260), (400, 160), "Positive prompt", text=POSITIVE, clip=(loader, 1))
     neg = wf.add("CLIPTextEncode", (380, 460), (400, 120), "Negative prompt", text=NEGATIVE, clip=(loader, 1))
     latent = wf.add("EmptyLatentImage", (380, 620), (315, 106), width=SIZE, height=SIZE, batch_size=1)
@@ -450,7 +450,7 @@ def wan21_deepcache_t2v() -> Workflow:
     unet = wf.add("UNETLoader", (0, 250), (315, 82), unet_name=WAN21, weight_dtype="default")
     quant = wf.add("Int8AccelQuantize", (0, 380), (315, 200), model=(unet, 0), **QUANTIZE_SETTINGS)
     cache = wf.add("Int8AccelDeepCache", (0, 620), (315, 130), model=(quant, 0), cache_interval=3, cache_depth=1,
-                   start_percent=0.0, end_percent=1.0, mode="reuse")
+                   start_percent=0.0, end_percent=1.0, mode="forecast")
     shift = wf.add("ModelSamplingSD3", (0, 790), (315, 58), shift=8.0, model=(cache, 0))
     vae = wf.add("VAELoader", (0, 890), (315, 58), vae_name=WAN21_VAE)
     clip = wf.add("CLIPLoader", (380, 250), (400, 106), clip_name=CLIP_L, type="sd3", device="default")
