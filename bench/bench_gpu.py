@@ -65,7 +65,8 @@ def baseline_of(variant: str) -> str:
     return "fp16+compile" if variant in COMPILED_VARIANTS else "fp16"
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median milliseconds of `fn` on the GPU (CUDA events), after three warm-up calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -181,7 +182,7 @@ def _measure(factory: Callable[[], Callable[[], object]], reps: int) -> tuple[fl
     base = torch.cuda.memory_allocated()
     try:
         call = factory()
-        ms = _median_ms(call, reps)
+        ms = median_ms(call, reps)
     except Exception as exc:  # noqa: BLE001 - a variant that cannot run here is reported, not fatal
         return f"n/a ({type(exc).__name__}: {' '.join(str(exc).split())[:80]})"
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20

@@ -15,7 +15,6 @@ the CUDA kernels one whole call runs. Writes the table to --out.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -27,24 +26,15 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench_gpu import median_ms  # noqa: E402
+
 LINEAR_SHAPES = [(8192, 640, 640), (2048, 1280, 1280), (2048, 1280, 10240), (4608, 3072, 3072),
                  (4608, 3072, 12288), (4608, 12288, 3072)]  # fmt: skip
 CONV_SHAPES = [(2, 320, 128, 128, 320), (2, 1280, 32, 32, 1280)]
 
 
 def median_us(fn: Callable[[], object], reps: int = 30) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return median_ms(fn, reps) * 1e3
 
 
 def host_us(fn: Callable[[], object], calls: int = 100) -> float:

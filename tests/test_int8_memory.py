@@ -192,7 +192,6 @@ def test_dynamic_vram_load_keeps_the_int8_copies_resident_counted_and_freed_on_u
     with the meta device as the GPU: the INT8 copies live on the computing device with its weight width, count once
     in the loaded memory across loads, and a full unpatch frees them all."""
     import comfy.model_patcher
-    from comfy.patcher_extension import CallbacksMP
 
     from comfyui_int8_accel.kernels import policy as kernel_policy
     from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
@@ -204,14 +203,7 @@ def test_dynamic_vram_load_keeps_the_int8_copies_resident_counted_and_freed_on_u
     gpu = torch.device("meta")
 
     def dynamic_load():
-        for module in out.model.modules():
-            if hasattr(module, "comfy_cast_weights"):
-                module.comfy_cast_weights = True
-                module.weight_function, module.bias_function = [], []
-        out.model.device, out.model.model_loaded_weight_memory = gpu, 0
-        out.model.current_weight_patches_uuid = out.patches_uuid
-        for callback in out.get_all_callbacks(CallbacksMP.ON_LOAD):
-            callback(out, gpu, 0, False, False)
+        _emulated_dynamic_load(out, gpu)
 
     names = list(find_candidates(out.model.diffusion_model))
     dynamic_load()
@@ -240,7 +232,6 @@ def test_dynamic_vram_partial_unload_frees_the_int8_copies_it_reports_freed(comf
     on-the-fly INT8 copies (`Int8Plan._track`), but nothing there calls their markers' `move_to`: the copies stay
     on the computing device while ComfyUI counts their bytes as free. Emulated as the test above (the meta device
     as the GPU)."""
-    from comfy.patcher_extension import CallbacksMP
 
     from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
     from tests.support import comfy038
@@ -248,6 +239,21 @@ def test_dynamic_vram_partial_unload_frees_the_int8_copies_it_reports_freed(comf
     base = build_tiny_model("sd15")
     out, plan = _quantized(quant, base)
     gpu = torch.device("meta")
+    _emulated_dynamic_load(out, gpu)
+    copies = plan._int8_modules(out.model, list(find_candidates(out.model.diffusion_model)), gpu)
+    int8_bytes = sum(int8_module_bytes(layer) for layer in copies.values())
+    assert int8_bytes > 0 and out.model.model_loaded_weight_memory == int8_bytes
+
+    freed = comfy038.partially_unload(out, memory_to_free=int8_bytes)
+    assert freed == int8_bytes and out.model.model_loaded_weight_memory == 0  # reported freed
+    assert not plan._modules  # and really freed: the copies are gone from the device
+
+
+def _emulated_dynamic_load(out, gpu: torch.device) -> None:
+    """What dynamic VRAM's load leaves on the model for the INT8 plan: every cast layer streamed
+    (`comfy_cast_weights`, no per-layer patches), the model on `gpu` with nothing counted yet, then ON_LOAD."""
+    from comfy.patcher_extension import CallbacksMP
+
     for module in out.model.modules():
         if hasattr(module, "comfy_cast_weights"):
             module.comfy_cast_weights = True
@@ -256,10 +262,3 @@ def test_dynamic_vram_partial_unload_frees_the_int8_copies_it_reports_freed(comf
     out.model.current_weight_patches_uuid = out.patches_uuid
     for callback in out.get_all_callbacks(CallbacksMP.ON_LOAD):
         callback(out, gpu, 0, False, False)
-    copies = plan._int8_modules(out.model, list(find_candidates(out.model.diffusion_model)), gpu)
-    int8_bytes = sum(int8_module_bytes(layer) for layer in copies.values())
-    assert int8_bytes > 0 and out.model.model_loaded_weight_memory == int8_bytes
-
-    freed = comfy038.partially_unload(out, memory_to_free=int8_bytes)
-    assert freed == int8_bytes and out.model.model_loaded_weight_memory == 0  # reported freed
-    assert not plan._modules  # and really freed: the copies are gone from the device
