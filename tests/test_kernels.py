@@ -635,6 +635,9 @@ def test_compiled_or_eager_compiles_ahead_on_a_stand_in():
     call compiles again."""
     from comfyui_int8_accel.kernels.compiled import distinct_sizes
 
+    if not distinct_sizes():  # PyTorch before 2.5 has no use_duck_shape switch: equal sizes share a symbol there
+        pytest.skip(f"torch {torch.__version__} has no torch.fx.experimental._config.use_duck_shape")
+
     def scale_rows(x):
         return x * x.abs().amax(dim=(-2, -1), keepdim=True).reciprocal()
 
@@ -756,11 +759,11 @@ def test_eager_calls_skip_the_custom_op_dispatch_and_traced_calls_use_it(monkeyp
 
     from comfyui_int8_accel.kernels import ops
 
-    through_op = Counter()
+    calls: list[str] = []  # a list, not a Counter: dynamo traces a list's append on every supported PyTorch
 
     def counting(name, op):
         def call(*args):
-            through_op[name] += 1
+            calls.append(name)
             return op(*args)
 
         return call
@@ -772,11 +775,12 @@ def test_eager_calls_skip_the_custom_op_dispatch_and_traced_calls_use_it(monkeyp
     q, s = quantize_weight_per_channel(torch.randn(32, 64, generator=gen), 127)
     cq, cs = quantize_weight_per_channel(torch.randn(8, 16, 3, 3, generator=gen), 127)
     eager = int8_linear(x, q, s, None), int8_conv2d(cx, cq, cs, None, 1, 1)
-    assert through_op == Counter()
+    assert calls == []
     with FlopCounterMode(display=False):
         counted = int8_linear(x, q, s, None), int8_conv2d(cx, cq, cs, None, 1, 1)
-    assert through_op == Counter({"linear": 1, "conv2d": 1})
+    assert calls == ["linear", "conv2d"]
     assert all(torch.equal(a, b) for a, b in zip(eager, counted, strict=True))
-    compiled = torch.compile(lambda t: int8_linear(t, q, s, None), backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: int8_linear(t, q, s, None), backend="eager")
     assert torch.equal(compiled(x), eager[0])
-    assert through_op["linear"] == 2  # traced once through the op
+    assert calls.count("linear") == 2  # traced through the op
