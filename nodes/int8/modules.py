@@ -99,7 +99,15 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         if name == "weight" and not self.__dict__.get("_initializing", True) and not self.__dict__.get(
                 "_in_set_weight", False):
             self._buffers["weight_scale"] = self.base_weight_scale.to(self._buffers["weight_scale"].device)
-        super().__setattr__(name, value)
+        if name != "weight_scale":
+            super().__setattr__(name, value)
+            return
+        # An assignment is deliberate (PyTorch routes it through register_buffer): it may change the scale.
+        self.__dict__["_assigning_scale"] = True
+        try:
+            super().__setattr__(name, value)
+        finally:
+            self.__dict__["_assigning_scale"] = False
 
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
         # ComfyUI 0.38's dynamic VRAM restores its buffer backups with `register_buffer` (`set_attr_buffer`), after
@@ -107,7 +115,8 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         # it puts back can be the requantized weight's, beside the original weight. The scale changes only with its
         # weight (set_weight, a weight restore); a write from outside may move or cast it, never change it.
         current = self._buffers.get("weight_scale") if name == "weight_scale" else None
-        if current is not None and not self.__dict__.get("_initializing", True) and tensor is not None:
+        restoring = not self.__dict__.get("_initializing", True) and not self.__dict__.get("_assigning_scale", False)
+        if current is not None and restoring and tensor is not None:
             if not torch.equal(tensor.to(current.device, current.dtype), current):
                 tensor = current.to(tensor.device)  # a stale backup: keep the scale, on the device asked for
             tensor = tensor.to(torch.float32)
