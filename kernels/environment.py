@@ -16,7 +16,7 @@ MIN_REDUCTION = "INT8_ACCEL_MIN_REDUCTION"
 IM2COL_MAX_ROWS = "INT8_ACCEL_IM2COL_MAX_ROWS"
 COMPILE_QUANTIZER = "INT8_ACCEL_COMPILE_QUANTIZER"
 TRITON_LINEAR = "INT8_ACCEL_TRITON_LINEAR"
-TRITON_LINEAR_CHOICES = ("int-mm", "fused")
+TRITON_LINEAR_CHOICES = ("auto", "int-mm", "fused")
 
 
 def forced_weight_bits() -> int | None:
@@ -70,8 +70,9 @@ def compiled_quantizer_disabled_reason() -> str | None:
 
 
 def triton_linear_gemm() -> str:
-    """How the triton backend multiplies a Linear (read at every call): "int-mm" (default: torch._int_mm, then the
-    rescale kernel) or "fused" (one Triton INT8 GEMM with the rescale in its epilogue; not yet measured faster)."""
+    """How the triton backend multiplies a Linear (read at every call): "auto" (default: the backend picks per
+    GPU, `triton_backend.linear_gemm`), "int-mm" (torch._int_mm, then the rescale kernel) or "fused" (one Triton
+    INT8 GEMM with the rescale in its epilogue)."""
     value = os.environ.get(TRITON_LINEAR, "").strip() or TRITON_LINEAR_CHOICES[0]
     if value not in TRITON_LINEAR_CHOICES:
         raise ValueError(f"{TRITON_LINEAR}={value!r}: expected one of {', '.join(TRITON_LINEAR_CHOICES)}")

@@ -1,5 +1,6 @@
 """The `triton` backend: Triton kernels for the activation quantizers (per token for Linear, affine per tensor for
-the conv), the rescale epilogue and the INT8 conv, `torch._int_mm` for the Linear GEMM.
+the conv), the rescale epilogue and the INT8 conv; the Linear GEMM is either `torch._int_mm` followed by the rescale
+kernel or one Triton INT8 GEMM with the rescale in its epilogue (`linear_gemm` says which, per GPU).
 
 Its quantization formulas are the reference's, written so the kernels reproduce them bit for bit: its results
 equal the `cuda` backend's exactly. Without a GPU it runs only under TRITON_INTERPRET=1 (set before triton is
@@ -9,6 +10,7 @@ itself is imported on first use, not with the package.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -39,8 +41,34 @@ def available() -> str | None:
     return triton_toolchain.missing_build_tools()
 
 
+# Hopper (9.0) and newer: torch._int_mm runs CUTLASS's Ampere INT8 kernel there, which the fused Triton GEMM
+# (wgmma) beat at every Linear shape where INT8 can pay on the H200 (bench/results/gpu_h200_run2:
+# 4608x3072x12288 in 385 us against 515 us for torch._int_mm and 475 us for bf16). Below it torch._int_mm runs
+# native kernels and the fused GEMM has not been measured.
+FUSED_GEMM_FROM_CAPABILITY = (9, 0)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def linear_gemm(device: torch.device) -> str:
+    """The GEMM a Linear on `device` runs: "fused" or "int-mm", as INT8_ACCEL_TRITON_LINEAR forces, else "fused"
+    on CUDA GPUs of compute capability 9.0 and newer and "int-mm" elsewhere (CPU tensors under the
+    interpreter included)."""
+    chosen = triton_linear_gemm()
+    if chosen != "auto":
+        return chosen
+    if device.type != "cuda":
+        return "int-mm"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "fused" if _capability(index) >= FUSED_GEMM_FROM_CAPABILITY else "int-mm"
+
+
 def prepare_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-    prepared_linear_weight(q_weight)
+    if linear_gemm(q_weight.device) == "int-mm":
+        prepared_linear_weight(q_weight)
 
 
 def prepare_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -54,7 +82,7 @@ def linear(
     triton_kernels = _kernels()
     n = q_weight.shape[0]
     q, row_scale = triton_kernels.quantize_rows(x.reshape(-1, x.shape[-1]))
-    if triton_linear_gemm() == "fused":
+    if linear_gemm(x.device) == "fused":
         y = triton_kernels.gemm_rescale(q, q_weight, row_scale, w_scale, bias, x.dtype)
     else:
         acc = int_mm_padded(q, prepared_linear_weight(q_weight), n)

@@ -231,10 +231,28 @@ def test_fused_linear_gemm_equals_int_mm_and_rescale(tk, monkeypatch, x_shape, n
     assert torch.equal(outs["triton"], outs["cuda"])
 
 
+@pytest.mark.parametrize("capability,expected", [((9, 0), "fused"), ((10, 0), "fused"), ((8, 9), "int-mm"),
+                                                 ((8, 0), "int-mm")])
+def test_the_linear_gemm_is_chosen_per_gpu_unless_forced(monkeypatch, capability, expected):
+    """Unset (or "auto"), INT8_ACCEL_TRITON_LINEAR leaves the choice to the GPU: the fused Triton GEMM from compute
+    capability 9.0 (Hopper, where torch._int_mm runs an Ampere kernel), torch._int_mm below and on CPU tensors;
+    set, it wins everywhere."""
+    from comfyui_int8_accel.kernels import triton_backend
+
+    monkeypatch.setattr(triton_backend, "_capability", lambda index: capability)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for unset in ("", "auto"):
+        monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", unset)
+        assert (triton_backend.linear_gemm(gpu), triton_backend.linear_gemm(cpu)) == (expected, "int-mm")
+    for forced in ("int-mm", "fused"):
+        monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", forced)
+        assert (triton_backend.linear_gemm(gpu), triton_backend.linear_gemm(cpu)) == (forced, forced)
+
+
 def test_an_unknown_triton_linear_choice_is_refused(tk, monkeypatch):
     q, s, _ = weights((32, 64), 8)
     monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "cutlass")
-    with force_kernel_backend("triton"), pytest.raises(ValueError, match="int-mm, fused"):
+    with force_kernel_backend("triton"), pytest.raises(ValueError, match="auto, int-mm, fused"):
         int8_linear(torch.randn(4, 64), q, s, None)
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ...kernels import content_checksum, kernel_backend_for, weight_bits
-from ...kernels.environment import triton_linear_gemm
+from ...kernels.triton_backend import linear_gemm
 from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
 
@@ -79,6 +79,7 @@ class CalibrationResult:
     left_to_core: dict[str, str] = field(default_factory=dict)  # core-quantized layers in formats INT8 cannot take
     created: float = field(default_factory=time.time)
     weight_bits: int = 0  # width of the INT8 weights (8, or 7 on CPUs without VNNI); 0: not recorded
+    linear_gemm: str = ""  # the triton kernel backend's Linear GEMM ("fused" / "int-mm"); "" for the others
 
     @property
     def chosen(self) -> list[str]:
@@ -104,7 +105,8 @@ class CalibrationResult:
                    kernel_backend_fallback=data.get("kernel_backend_fallback", {}),
                    kernel_calls=data.get("kernel_calls", {}),
                    memory=data.get("memory", {}), left_to_core=data.get("left_to_core", {}),
-                   created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0))
+                   created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0),
+                   linear_gemm=data.get("linear_gemm", ""))
 
 
 def decide(layer: LayerMeasurement, settings: QuantizeSettings, measure_error: Callable[[], float],
@@ -190,12 +192,15 @@ def model_fingerprint(patcher, weight_keys: list[str]) -> str:
     return hasher.hexdigest()[:32]
 
 
+def linear_gemm_for(device: torch.device) -> str:
+    """The Linear GEMM of the kernel backend serving `device`: the triton backend's choice, "" for the others."""
+    return linear_gemm(device) if kernel_backend_for(device) == "triton" else ""
+
+
 def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tensor) -> str:
     """Key of a decision: the weights and patches, the settings, the latent's size and dtype, and what runs the
     INT8 layers (device, kernel backend, weight width) and whether the speed gate decided: a decision measured on
     one is not reused on another."""
-    kernel_backend = kernel_backend_for(x.device)
-    linear_gemm = triton_linear_gemm() if kernel_backend == "triton" else ""  # the speed gate timed that GEMM
     text = json.dumps([CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
-                       x.device.type, kernel_backend, linear_gemm, weight_bits(x.device), speed_gate_enabled()])
+                       x.device.type, kernel_backend_for(x.device), linear_gemm_for(x.device), weight_bits(x.device), speed_gate_enabled()])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

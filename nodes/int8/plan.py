@@ -40,7 +40,15 @@ from ...kernels import (
 from ..page import show_image_on_node, show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
-from .calibration import INT8, CalibrationResult, LayerMeasurement, calibration_key, decide, model_fingerprint
+from .calibration import (
+    INT8,
+    CalibrationResult,
+    LayerMeasurement,
+    calibration_key,
+    decide,
+    linear_gemm_for,
+    model_fingerprint,
+)
 from .core_layers import core_layer_source, core_layers_left, core_linear_format
 from .environment import speed_gate_enabled
 from .modules import Int8Conv2d, Int8Linear, is_quantizable
@@ -454,7 +462,8 @@ class Int8Plan:
         result = CalibrationResult(key=key, shape=list(args[0].shape), layers=layers,
                                    kernel_backend=kernel_backend_for(args[0].device),
                                    kernel_backend_fallback=kernel_backend_fallback(args[0].device),
-                                   left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device))
+                                   left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device),
+                                   linear_gemm=linear_gemm_for(args[0].device))
         chosen = set(result.chosen)
         copies.modules = {name: module for name, module in copies.modules.items() if name in chosen}
         self._uncount_dropped(base_model)

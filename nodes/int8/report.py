@@ -38,7 +38,8 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
         parts.append(f"memory +{result.memory.get('int8_bytes', 0) / MIB:.1f} MiB")
     bits = f", {result.weight_bits}-bit weights" if result.weight_bits else ""
     passed_over = "".join(f" ({name} unavailable)" for name in result.kernel_backend_fallback)
-    parts.append(f"{result.kernel_backend or 'unknown'} kernel backend{bits}{passed_over}")
+    gemm = f" ({result.linear_gemm} Linear GEMM)" if result.linear_gemm else ""
+    parts.append(f"{result.kernel_backend or 'unknown'} kernel backend{gemm}{bits}{passed_over}")
     parts.append("from the calibration cache" if from_cache else f"calibrated now ({result.seconds:.1f} s)")
     return " · ".join(parts)
 
