@@ -5,8 +5,8 @@ ComfyUI's own config classes (no file), sampled by ComfyUI's own sampler at 1024
 (CFG 7 for SDXL, a UNet batch of 2; Flux dev: CFG 1, guidance 3.5, 512 text tokens). Variants, each in the same
 process against plain bf16: Quantize Model (INT8) with the node's defaults, INT8 + DeepCache + Compile Model (the
 full stack), INT8 + Compile Model, DeepCache alone, plain fp16, and plain bf16 + Compile Model (compiled against
-compiled). Per variant: seconds per step (the timed 20-step run's sampling time over 20: DeepCache's cached and
-full steps alike), peak VRAM during it, the one-off cost before it (INT8: the first step, calibration included;
+compiled). Per variant: seconds per step (the median of TIMED_RUNS timed 20-step runs, each's sampling time over
+20: DeepCache's cached and full steps alike; plain bf16 is timed again after the last variant, to show drift), peak VRAM during it, the one-off cost before it (INT8: the first step, calibration included;
 compile: the warm-up run), how many layers ran INT8, and the PSNR of the final latent against plain bf16's. Random
 weights: the PSNR says how far a variant strays on these networks, not what a trained model's picture loses.
 
@@ -27,6 +27,9 @@ from common import psnr
 
 STEPS = 20
 SIZE = 1024
+# Timed runs per variant, the median reported: on the H200 one run of the same float graph varied by 25% between
+# rows (0.056-0.087 s/step for SDXL), more than most differences the table is for.
+TIMED_RUNS = 3
 DRY_STEPS, DRY_SIZE = 3, 64
 
 
@@ -112,12 +115,12 @@ class Variant:
 VARIANTS = (
     Variant("plain bf16"),
     Variant("Quantize Model (INT8)", int8=True),
-    Variant("Quantize Model (INT8), fused Triton GEMM", int8=True, env=(("INT8_ACCEL_TRITON_LINEAR", "fused"),)),
     Variant("DeepCache", deepcache=True),
-    Variant("plain fp16", dtype=torch.float16),
     Variant("INT8 + DeepCache + Compile Model (stack)", int8=True, deepcache=True, compile=True),
     Variant("INT8 + Compile Model", int8=True, compile=True),
     Variant("plain bf16 + Compile Model", compile=True),
+    Variant("plain fp16", dtype=torch.float16),
+    Variant("Quantize Model (INT8), torch._int_mm GEMM", int8=True, env=(("INT8_ACCEL_TRITON_LINEAR", "int-mm"),)),
 )
 
 
@@ -157,6 +160,14 @@ def _sample(model, family: Family, steps: int, size: int, device: torch.device, 
     peak = (torch.cuda.max_memory_allocated(device) - idle_bytes) / 2**30 if device.type == "cuda" else float("nan")
     int8_calls = sum(n for (_, backend, path), n in calls.items() if path == "int8")
     return Run(seconds, seconds / steps, peak, out.float().cpu(), int8_calls)
+
+
+def _timed(model, family: Family, steps: int, size: int, device: torch.device, dry: bool, idle_bytes: int) -> Run:
+    """The median of TIMED_RUNS sampling runs (by seconds), with the highest peak VRAM of them."""
+    runs = sorted((_sample(model, family, steps, size, device, dry, idle_bytes=idle_bytes) for _ in range(TIMED_RUNS)),
+                  key=lambda run: run.seconds)  # fmt: skip
+    median = runs[len(runs) // 2]
+    return dataclasses.replace(median, peak_gib=max(run.peak_gib for run in runs))
 
 
 def _build(family: Family, dtype: torch.dtype, device: torch.device, dry: bool):
@@ -269,7 +280,7 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
             else:  # cuBLAS and the allocator warm, outside the timing
                 _sample(model, family, 1, size, device, dry)
             idle = sum(_weight_bytes(other) for dtype, other in bases.items() if dtype != variant.dtype)
-            run = _sample(model, family, steps, size, device, dry, idle_bytes=idle)
+            run = _timed(model, family, steps, size, device, dry, idle)
         except Exception as exc:  # noqa: BLE001 - one variant failing is reported; the others still run
             table.row([variant.name, f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}",
                        *["-"] * (len(Table.HEADER) - 2)])
@@ -291,6 +302,10 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if reference is not None and torch.bfloat16 in bases:
+        again = _timed(bases[torch.bfloat16], family, steps, size, device, dry, 0)
+        table.note(f"\nplain bf16 timed again after the last variant: {again.step_seconds:.4f} s/step "
+                   f"({reference.step_seconds / again.step_seconds:.2f}x of its first timing).")
     bases.clear()
     gc.collect()
     if device.type == "cuda":
@@ -317,7 +332,8 @@ def run_models(families: list[str], out: Path, dry: bool, variant_names: list[st
     table = Table(out, [f"# Whole models on {name}: plain vs Quantize Model (INT8), DeepCache, Compile Model", "",
                         f"- torch {torch.__version__}; INT8 kernel backend `{kernels.kernel_backend_for(device)}`; "
                         f"{time.strftime('%Y-%m-%d')}; bench/gpu_models.py.",
-                        "- s/step: the timed run's sampling seconds over its steps (after the one-off run); "
+                        f"- s/step: the median of {TIMED_RUNS} timed runs' sampling seconds over their steps (after the one-off "
+                        "run); "
                         "vs plain bf16: its s/step over this row's.",
                         "- INT8 calls: INT8 kernel calls during the timed run (0 means no layer ran INT8).",
                         "- Random weights: PSNR shows how far a variant strays on these networks, not the "
