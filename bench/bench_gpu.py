@@ -255,7 +255,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--models", default="sd15,sdxl,flux", help="layer shapes of these models (layers part)")
     parser.add_argument("--families", default="sdxl,flux", help="whole models (models part)")
-    parser.add_argument("--variants", help="models part: comma-separated variant names (default: all)")
+    parser.add_argument("--variants", help="models part: variant names separated by ';' (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="layers part: leave out the compiled variants")
     parser.add_argument("--out", type=Path, help="the results file (with --part all: the layers part's)")
     parser.add_argument("--dry-run", action="store_true",
@@ -278,7 +278,7 @@ def main() -> int:
 
         out = args.out if args.part == "models" and args.out else results / "gpu_models.md"
         status |= run_models(args.families.split(","), out, dry=False,
-                             variant_names=args.variants.split(",") if args.variants else None)
+                             variant_names=args.variants.split(";") if args.variants else None)
     if args.part in ("all", "layers"):
         args.out = args.out or results / "gpu.md"
         status |= run_layers(args)

@@ -11,8 +11,11 @@
 # start-up, is replaced by harness/standins/av when it is not installed.
 #
 # Environment: PYTHON (default python3), OUT (default ./gpu-run-out), GPU_RUN_BUDGET_S (default 555: the stages
-# share it, each also capped by its own limit), GPU_RUN_DRY=1 (no CUDA needed: the CUDA check reports and the
-# run goes on, the GPU tests are only collected, the bench runs tiny models on the CPU; for checking this script).
+# share it, each also capped by its own limit), GPU_RUN_<STAGE>_S (each stage's limit; under 10 skips it),
+# GPU_RUN_KERNELS_K (a pytest -k expression narrowing the kernel tests), GPU_RUN_SDXL_VARIANTS /
+# GPU_RUN_FLUX_VARIANTS (the bench's variants, names separated by ';'), GPU_RUN_DRY=1 (no CUDA needed: the CUDA
+# check reports and the run goes on, the GPU tests are only collected, the bench runs tiny models on the CPU; for
+# checking this script).
 # Exits non-zero when the CUDA check or any stage failed or was cut.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -128,6 +131,11 @@ fi
 run_stage() {
   local name="$1" limit="$2"
   shift 2
+  if ((limit < 10)); then
+    row "$name" "skipped" 0 "its limit was set to ${limit}s"
+    say "$name: skipped (limit ${limit}s)"
+    return
+  fi
   local left=$((BUDGET - (SECONDS - START) - 20))
   ((left < limit)) && limit=$left
   if ((limit < 10)); then
@@ -170,7 +178,8 @@ fi
 # Stage limits from the first H200 run (2026-11-26): 89 kernel tests take about 95 s, the 11 ComfyUI/compile tests
 # about 25 s each of compiling (5 done in 137 s on 4 workers), the speed-gate test 9 s.
 run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-110}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
-  -k "not ($COMFY_TESTS or $SPEED_TESTS)" --junitxml "$WORK/junit-kernels.xml"
+  -k "(not ($COMFY_TESTS or $SPEED_TESTS)) and (${GPU_RUN_KERNELS_K:-not nothing})" \
+  --junitxml "$WORK/junit-kernels.xml"
 run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-150}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
   "${XDIST[@]}" -k "$COMFY_TESTS" --junitxml "$WORK/junit-comfy.xml"
 run_stage "speed-gate test (alone)" "${GPU_RUN_SPEED_S:-30}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 25 \
@@ -193,9 +202,9 @@ BENCH=("$PY" bench/bench_gpu.py)
 run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-35}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
   --out "$OUT/gpu_int8_breakdown.md"
 run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-110}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
-  --out "$OUT/gpu_models_sdxl.md"
+  ${GPU_RUN_SDXL_VARIANTS:+--variants "$GPU_RUN_SDXL_VARIANTS"} --out "$OUT/gpu_models_sdxl.md"
 run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-80}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
-  --out "$OUT/gpu_models_flux.md"
+  ${GPU_RUN_FLUX_VARIANTS:+--variants "$GPU_RUN_FLUX_VARIANTS"} --out "$OUT/gpu_models_flux.md"
 run_stage "bench: layers" "${GPU_RUN_LAYERS_S:-20}" "${GPU_ENV[@]}" "${BENCH[@]}" --part layers --no-compile \
   --models sdxl,flux --reps 10 --out "$OUT/gpu_layers.md"
 
