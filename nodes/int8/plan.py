@@ -14,12 +14,10 @@ again whenever the weight patches change.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 
 import comfy.model_management
 import comfy.patcher_extension
@@ -51,7 +49,9 @@ from .calibration import (
 )
 from .core_layers import core_layer_source, core_layers_left, core_linear_format
 from .environment import speed_gate_enabled
-from .modules import Int8Conv2d, Int8Linear, is_quantizable
+from .layout import CandidateCache, find_candidates, module_at, swapped_modules
+from .layout import canonical_name as canonical_name  # where the save node and tests import it from
+from .modules import Int8Conv2d, Int8Linear
 from .picture import decision_picture
 from .report import format_report, summary_line
 from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
@@ -64,38 +64,6 @@ WRAPPER_KEY = "int8_accel_quantize"
 
 def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "_orig_mod", module)
-
-
-def find_candidates(diffusion_model: torch.nn.Module) -> dict[str, tuple[str, str]]:
-    """{canonical name: (module path, kind)} for every leaf Linear/Conv2d the INT8 path supports.
-    Canonical names drop torch.compile's `_orig_mod` hops so they match state-dict names."""
-    found = {}
-    for path, module in diffusion_model.named_modules():
-        kind = is_quantizable(module)
-        if kind is not None:
-            found[canonical_name(path)] = (path, kind)
-    return found
-
-
-def canonical_name(path: str) -> str:
-    """`path` without torch.compile's `_orig_mod` hops, as in the state dict of the uncompiled model."""
-    return path.replace("_orig_mod.", "").replace("._orig_mod", "")
-
-
-@contextlib.contextmanager
-def swapped_modules(root: torch.nn.Module, replacements: dict[str, torch.nn.Module]) -> Iterator[None]:
-    """Put `replacements` (module path -> module) into `root` for the duration of the block."""
-    originals = []
-    try:
-        for path, new in replacements.items():
-            parent_path, _, leaf = path.rpartition(".")
-            parent = root.get_submodule(parent_path) if parent_path else root
-            originals.append((parent, leaf, parent._modules[leaf]))
-            parent._modules[leaf] = new
-        yield
-    finally:
-        for parent, leaf, old in reversed(originals):
-            parent._modules[leaf] = old
 
 
 def int8_module_bytes(module: torch.nn.Module) -> int:
@@ -113,7 +81,7 @@ def layer_weight_bytes(root: torch.nn.Module, result: CalibrationResult) -> dict
     out = {}
     for layer in result.layers:
         if layer.name in candidates:
-            weight = root.get_submodule(candidates[layer.name][0]).weight
+            weight = module_at(root, candidates[layer.name][0]).weight
             out[layer.name] = weight.numel() * weight.element_size()
     return out
 
@@ -128,6 +96,7 @@ class ModelCopies:
         self.state: tuple | None = None
         self.markers: dict[str, Int8CopyMarker] = {}
         self.float_size: int | None = None
+        self.int8_size: tuple[tuple[str, ...], int] | None = None  # (layer names, their INT8 copies' bytes)
 
     def release(self, name: str) -> int:
         """Drop the INT8 copy of layer `name` (ComfyUI moved its float layer); rebuilt on its next call."""
@@ -166,6 +135,7 @@ class Int8Plan:
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> ModelCopies
         self._last_copies = ModelCopies()  # those of the model that ran last (what `_modules` shows)
         self._calibration_lock = threading.Lock()  # one calibration per key, whichever device's thread comes first
+        self._candidates = CandidateCache()
 
     @property
     def _modules(self) -> dict[str, torch.nn.Module]:
@@ -205,7 +175,8 @@ class Int8Plan:
             release_packed_weight(module.weight)
         for marker in copies.markers.values():  # unpatch_model zeroed the model's loaded memory
             marker.counted_bytes = 0
-        copies.modules, copies.state = {}, None
+        copies.modules, copies.state, copies.int8_size = {}, None, None
+        self._candidates.forget()  # the unpatch restored ComfyUI's object patches, which may replace modules
 
     def fingerprint(self, patcher) -> str:
         state = (id(patcher.model), patcher.patches_uuid)
@@ -272,13 +243,17 @@ class Int8Plan:
         tied to its float layer so that ComfyUI counts it and frees it with that layer (see residency.py)."""
         root = self._fresh_module_cache(base_model)
         copies = self.copies_of(base_model)
-        candidates = find_candidates(root)
+        candidates = self._candidates.get(root)
         out = {}
         for name in names:
             if name not in candidates:
                 continue
             path, kind = candidates[name]
-            float_module = root.get_submodule(path)
+            try:
+                float_module = module_at(root, path)
+            except AttributeError:  # replaced since the walk, though no load or detach said so: walk again
+                self._candidates.forget(root)
+                return self._int8_modules(base_model, names, device)
             layer = self._placed_copy(copies, name, device)
             if layer is None:
                 layer = copies.modules[name] = self._copy_for_device(float_module, kind, device)
@@ -314,13 +289,15 @@ class Int8Plan:
         for marker in copies.markers.values():
             marker.counted_bytes = 0
         root = self._fresh_module_cache(base_model)
-        candidates = find_candidates(root)
+        self._candidates.forget()  # the load applied ComfyUI's object patches, which may replace modules
+        copies.int8_size = None
+        candidates = self._candidates.get(root)
         for name in list(copies.modules):
             if name not in candidates:
                 continue
             layer = self._placed_copy(copies, name, device_to if device_to is not None else base_model.device)
             if layer is not None:
-                self._track(base_model, copies, name, root.get_submodule(candidates[name][0]), layer)
+                self._track(base_model, copies, name, module_at(root, candidates[name][0]), layer)
 
     @staticmethod
     def _track(base_model, copies: ModelCopies, name: str, float_module: torch.nn.Module,
@@ -353,13 +330,16 @@ class Int8Plan:
         of `names` on top of the float weights, which stay loaded alongside them."""
         if patcher is None:
             return
-        root = unwrap_compiled(patcher.model.diffusion_model)
-        candidates = find_candidates(root)
-        extra = sum(int8_copy_bytes(root.get_submodule(candidates[name][0])) for name in names if name in candidates)
         copies = self.copies_of(patcher.model)
+        names = tuple(names)
+        if copies.int8_size is None or copies.int8_size[0] != names:
+            root = unwrap_compiled(patcher.model.diffusion_model)
+            candidates = self._candidates.get(root)
+            copies.int8_size = (names, sum(int8_copy_bytes(module_at(root, candidates[name][0]))
+                                           for name in names if name in candidates))
         if copies.float_size is None:
             copies.float_size = float_model_size(patcher)
-        patcher.size = copies.float_size + extra
+        patcher.size = copies.float_size + copies.int8_size[1]
 
     def _fresh_module_cache(self, base_model) -> torch.nn.Module:
         """Drop the INT8 modules when the live weights changed (another model, or other weight patches)."""
