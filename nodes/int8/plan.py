@@ -97,6 +97,7 @@ class ModelCopies:
         self.markers: dict[str, Int8CopyMarker] = {}
         self.float_size: int | None = None
         self.int8_size: tuple[tuple[str, ...], int] | None = None  # (layer names, their INT8 copies' bytes)
+        self.last_swap: tuple | None = None  # ((names, device), {path: copy}, [(name, copy)]) of the last call
 
     def release(self, name: str) -> int:
         """Drop the INT8 copy of layer `name` (ComfyUI moved its float layer); rebuilt on its next call."""
@@ -175,7 +176,7 @@ class Int8Plan:
             release_packed_weight(module.weight)
         for marker in copies.markers.values():  # unpatch_model zeroed the model's loaded memory
             marker.counted_bytes = 0
-        copies.modules, copies.state, copies.int8_size = {}, None, None
+        copies.modules, copies.state, copies.int8_size, copies.last_swap = {}, None, None, None
         self._candidates.forget()  # the unpatch restored ComfyUI's object patches, which may replace modules
 
     def fingerprint(self, patcher) -> str:
@@ -243,8 +244,12 @@ class Int8Plan:
         tied to its float layer so that ComfyUI counts it and frees it with that layer (see residency.py)."""
         root = self._fresh_module_cache(base_model)
         copies = self.copies_of(base_model)
+        request = (tuple(names), device)
+        last = copies.last_swap
+        if last is not None and last[0] == request and all(copies.modules.get(name) is layer for name, layer in last[2]):
+            return last[1]  # the same copies as the previous call, already placed and tracked
         candidates = self._candidates.get(root)
-        out = {}
+        out, placed = {}, []
         for name in names:
             if name not in candidates:
                 continue
@@ -259,6 +264,8 @@ class Int8Plan:
                 layer = copies.modules[name] = self._copy_for_device(float_module, kind, device)
             self._track(base_model, copies, name, float_module, layer)
             out[path] = layer
+            placed.append((name, layer))
+        copies.last_swap = (request, out, placed)
         return out
 
     @staticmethod
@@ -290,7 +297,7 @@ class Int8Plan:
             marker.counted_bytes = 0
         root = self._fresh_module_cache(base_model)
         self._candidates.forget()  # the load applied ComfyUI's object patches, which may replace modules
-        copies.int8_size = None
+        copies.int8_size = copies.last_swap = None
         candidates = self._candidates.get(root)
         for name in list(copies.modules):
             if name not in candidates:
