@@ -24,6 +24,7 @@ device (the conv's activation scale and zero point) are passed as pointers, neve
 
 # No `from __future__ import annotations`: Triton 3.0's interpreter recognises `tl.constexpr` parameters only by
 # their annotation object, not a string.
+import inspect
 import os
 
 import torch
@@ -66,10 +67,31 @@ def _configs(interpreted: tuple[dict, int], tuned: list[tuple[dict, int]]) -> li
     return [triton.Config(dict(blocks), num_warps=warps) for blocks, warps in chosen]
 
 
+# Autotuning times every candidate on a layer shape's first call, which is inside calibration. Triton's default
+# benchmark gives each candidate 25 ms of warm-up and 100 ms of timing: for an SDXL UNet's few dozen layer shapes
+# (about 4 candidates each, conv, quantizers and GEMM) that was most of a 25 s calibration on the H200. A few
+# milliseconds each still runs a candidate tens of times or more on any shape of a diffusion model.
+AUTOTUNE_WARMUP_MS = 3
+AUTOTUNE_REP_MS = 12
+
+
+def _autotune(configs: list, key: list[str]):
+    """`triton.autotune` with the short benchmark above: through `do_bench` where Triton takes one (Triton 3.6 does,
+    and deprecates `warmup`/`rep` there), else through `warmup`/`rep` (Triton 3.0)."""
+    if "do_bench" in inspect.signature(triton.autotune).parameters:
+        def bench(kernel_call, quantiles):
+            from triton.testing import do_bench
+
+            return do_bench(kernel_call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
+
+        return triton.autotune(configs=configs, key=key, do_bench=bench)
+    return triton.autotune(configs=configs, key=key, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS)
+
+
 if AVAILABLE:
     # Keyed on sizes fixed per layer (reduction and output widths), so tuning happens on a layer's first call
     # (a warm-up), not on every new token count.
-    @triton.autotune(configs=_configs(({"BLOCK_M": 64, "BLOCK_K": 128}, 4), [
+    @_autotune(configs=_configs(({"BLOCK_M": 64, "BLOCK_K": 128}, 4), [
         ({"BLOCK_M": 4, "BLOCK_K": 512}, 4), ({"BLOCK_M": 8, "BLOCK_K": 256}, 4),
         ({"BLOCK_M": 16, "BLOCK_K": 128}, 4), ({"BLOCK_M": 16, "BLOCK_K": 256}, 8)]), key=["K"])
     @triton.jit
@@ -96,7 +118,7 @@ if AVAILABLE:
             tl.store(q_ptr + q_rows[:, None] + (k0 + cols)[None, :], q.to(tl.int8), mask=mask)
         tl.store(scale_ptr + rows, tl.math.div_rn(safe, tl.full([BLOCK_M], 127.0, tl.float32)), mask=row_mask)
 
-    @triton.autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_N": 128}, 4), [
+    @_autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_N": 128}, 4), [
         ({"BLOCK_M": 64, "BLOCK_N": 64}, 4), ({"BLOCK_M": 128, "BLOCK_N": 64}, 4),
         ({"BLOCK_M": 64, "BLOCK_N": 128}, 4), ({"BLOCK_M": 128, "BLOCK_N": 128}, 8)]), key=["N"])
     @triton.jit
@@ -120,7 +142,7 @@ if AVAILABLE:
     # while never writing the int32 product to memory. Keyed on the weight's sizes, like the rescale.
     # Three candidates: each costs a compile on a layer's first call (calibration), and these are the tile shapes
     # int8 GEMMs favour on Ampere and Hopper (128-byte K steps, large N tiles for the wide Linear layers).
-    @triton.autotune(configs=_configs(({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, 4), [
+    @_autotune(configs=_configs(({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, 4), [
         ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, 8),
         ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8}, 8),
         ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, 4)]), key=["N", "K"])
@@ -158,7 +180,7 @@ if AVAILABLE:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         tl.store(out_ptr + (rows64 * stride_om)[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_K": 64}, 4), [
+    @_autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_K": 64}, 4), [
         ({"BLOCK_M": 64, "BLOCK_K": 32}, 4), ({"BLOCK_M": 64, "BLOCK_K": 64}, 4),
         ({"BLOCK_M": 128, "BLOCK_K": 32}, 4), ({"BLOCK_M": 128, "BLOCK_K": 64}, 8)]),
         key=["C_out_g", "K", "BLOCK_N"])
@@ -233,7 +255,7 @@ if AVAILABLE:
     # Both affine kernels run a fixed grid of `programs` (from the tensor's size, not a config) that strides over
     # the tensor, so the quantize kernel's programs each reduce the same small partial buffer. Keyed on the
     # channel count (fixed per layer), not on the batch or resolution.
-    @triton.autotune(configs=_configs(({"BLOCK": 8192}, 4), [
+    @_autotune(configs=_configs(({"BLOCK": 8192}, 4), [
         ({"BLOCK": 1024}, 4), ({"BLOCK": 2048}, 4), ({"BLOCK": 4096}, 8), ({"BLOCK": 8192}, 8)]), key=["C"])
     @triton.jit
     def _affine_range_kernel(x_ptr, partial_ptr, N, C, programs, PARTIALS: tl.constexpr, BLOCK: tl.constexpr):
@@ -250,7 +272,7 @@ if AVAILABLE:
         tl.store(partial_ptr + pid, tl.min(lo, axis=0))
         tl.store(partial_ptr + PARTIALS + pid, tl.max(hi, axis=0))
 
-    @triton.autotune(configs=_configs(({"BLOCK": 8192}, 4), [
+    @_autotune(configs=_configs(({"BLOCK": 8192}, 4), [
         ({"BLOCK": 1024}, 4), ({"BLOCK": 2048}, 4), ({"BLOCK": 4096}, 8), ({"BLOCK": 8192}, 8)]), key=["C"])
     @triton.jit
     def _quantize_affine_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, zero_point_ptr, N, C, programs,

@@ -249,6 +249,25 @@ def test_the_linear_gemm_is_chosen_per_gpu_unless_forced(monkeypatch, capability
         assert (triton_backend.linear_gemm(gpu), triton_backend.linear_gemm(cpu)) == (forced, forced)
 
 
+def test_every_autotuned_kernel_times_its_candidates_briefly(tk, monkeypatch):
+    """Triton's default autotuning benchmark (25 ms warm-up + 100 ms per candidate) made most of a 25 s SDXL
+    calibration on the H200: every autotuned kernel times its candidates for a few milliseconds instead, through
+    whichever knob this Triton has."""
+    from triton.runtime.autotuner import Autotuner
+
+    kernels = [k for k in vars(tk).values() if isinstance(k, Autotuner)]
+    assert len(kernels) == 6
+    for kernel in kernels:
+        bench = getattr(kernel, "_do_bench", None)
+        if bench is None:  # Triton 3.0: warmup / rep
+            assert (kernel.num_warmups, kernel.num_reps) == (tk.AUTOTUNE_WARMUP_MS, tk.AUTOTUNE_REP_MS)
+            continue
+        seen = {}
+        monkeypatch.setattr("triton.testing.do_bench", lambda fn, **options: seen.update(options) or 1.0)
+        assert bench(lambda: None, quantiles=(0.5,)) == 1.0
+        assert (seen["warmup"], seen["rep"]) == (tk.AUTOTUNE_WARMUP_MS, tk.AUTOTUNE_REP_MS)
+
+
 def test_an_unknown_triton_linear_choice_is_refused(tk, monkeypatch):
     q, s, _ = weights((32, 64), 8)
     monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "cutlass")
