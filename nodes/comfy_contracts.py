@@ -101,6 +101,12 @@ def uses_vbar_cast(module: torch.nn.Module) -> bool:
     return hasattr(module, "_v")
 
 
+def restorable_backup(patcher) -> dict | None:
+    """`patcher.backup` where the patcher frees device memory by restoring it (dynamic VRAM's
+    `restore_loaded_backups`, run by its `partially_unload` and at the start of every `load`), else None."""
+    return patcher.backup if callable(getattr(patcher, "restore_loaded_backups", None)) else None
+
+
 def lora_compute_dtype(device: torch.device) -> torch.dtype:
     """The dtype ComfyUI runs LoRA math in on `device` (float32 where ComfyUI does not say)."""
     import comfy.model_management

@@ -223,30 +223,80 @@ def test_dynamic_vram_load_keeps_the_int8_copies_resident_counted_and_freed_on_u
     assert freed == int8_bytes and not plan._modules
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28 item 7, open: 0.38.1's restore_loaded_backups zeroes "
-                   "model_loaded_weight_memory (the INT8 copies' bytes included) without releasing the copies")
 def test_dynamic_vram_partial_unload_frees_the_int8_copies_it_reports_freed(comfy_root, quant, monkeypatch):
     """ComfyUI 0.38.1's `ModelPatcherDynamic.partially_unload` (comfy/model_patcher.py, stored copy of commit
     08d0e510f4e539a1db39072589817136ac6cfa7d; `comfy038.partially_unload`), when its VBAR cannot free enough,
     returns `restore_loaded_backups()`: the whole `model_loaded_weight_memory`, then zeroed. That count holds the
-    on-the-fly INT8 copies (`Int8Plan._track`), but nothing there calls their markers' `move_to`: the copies stay
-    on the computing device while ComfyUI counts their bytes as free. Emulated as the test above (the meta device
-    as the GPU)."""
+    on-the-fly INT8 copies (`Int8Plan._track`), and nothing there calls their markers' `move_to`: before, the
+    copies stayed on the computing device while ComfyUI counted their bytes as free (a later non-dynamic load could
+    run out of memory). Each counted copy now has an entry in the patcher's `backup` whose restore releases it.
+    Emulated as the test above (the meta device as the GPU)."""
 
     from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
     from tests.support import comfy038
 
     base = build_tiny_model("sd15")
     out, plan = _quantized(quant, base)
+    comfy038.make_dynamic(out, monkeypatch)
     gpu = torch.device("meta")
     _emulated_dynamic_load(out, gpu)
     copies = plan._int8_modules(out.model, list(find_candidates(out.model.diffusion_model)), gpu)
     int8_bytes = sum(int8_module_bytes(layer) for layer in copies.values())
     assert int8_bytes > 0 and out.model.model_loaded_weight_memory == int8_bytes
+    assert len(out.backup) == len(copies)  # one entry per counted copy, nothing else was backed up
 
     freed = comfy038.partially_unload(out, memory_to_free=int8_bytes)
     assert freed == int8_bytes and out.model.model_loaded_weight_memory == 0  # reported freed
-    assert not plan._modules  # and really freed: the copies are gone from the device
+    assert not plan._modules and not out.backup  # and really freed: the copies are gone from the device
+
+
+def test_dynamic_vram_prompts_keep_their_int8_copies_until_a_partial_unload(comfy_root, quant, monkeypatch):
+    """0.38.1's `ModelPatcherDynamic.partially_load` -> `load` (comfy/model_patcher.py, stored copy of commit
+    08d0e510f4e539a1db39072589817136ac6cfa7d; `comfy038.partially_load`) starts every prompt's load with the same
+    `restore_loaded_backups` that frees memory. Through a sampling run (the OUTER_SAMPLE wrapper runs before
+    `prepare_sampling` loads the model) the copies one prompt built are kept by the next prompt's load and counted
+    once; a partial unload between prompts frees them and counts them freed; the next prompt builds them again. A
+    load outside a sampling run (core's save nodes load so) releases them, uncounted."""
+    from types import SimpleNamespace
+
+    from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates, int8_module_bytes
+    from tests.support import comfy038
+
+    base = build_tiny_model("sd15")
+    out, plan = _quantized(quant, base)
+    comfy038.make_dynamic(out, monkeypatch)
+    names = list(find_candidates(out.model.diffusion_model))
+    builds = []
+    quantize_layer = Int8Plan._quantize_layer
+    monkeypatch.setattr(Int8Plan, "_quantize_layer",
+                        staticmethod(lambda module, kind, qmax=None: builds.append(module) or quantize_layer(
+                            module, kind, qmax)))
+
+    def prompt() -> dict[str, torch.nn.Module]:
+        def sampling():  # CFGGuider.outer_sample: prepare_sampling loads the model, then the model is called
+            comfy038.partially_load(out)
+            return plan._int8_modules(out.model, names, torch.device("cpu"))
+
+        sampling.class_obj = SimpleNamespace(model_patcher=out)
+        return plan.outer_sample(sampling)
+
+    try:
+        first = prompt()
+        loaded = out.model.model_loaded_weight_memory
+        int8_bytes = sum(int8_module_bytes(layer) for layer in first.values())
+        assert len(builds) == len(names) and 0 < int8_bytes < loaded
+        second = prompt()
+        assert len(builds) == len(names) and all(second[path] is first[path] for path in first)
+        assert out.model.model_loaded_weight_memory == loaded  # counted once
+
+        freed = comfy038.partially_unload(out, memory_to_free=loaded)
+        assert freed == loaded and not plan._modules
+        prompt()
+        assert len(builds) == 2 * len(names)
+        comfy038.partially_load(out)  # not through a sampling run
+        assert not plan._modules and out.model.model_loaded_weight_memory == loaded - int8_bytes
+    finally:
+        comfy038.dynamic_unpatch_model(out)
 
 
 def _emulated_dynamic_load(out, gpu: torch.device) -> None:

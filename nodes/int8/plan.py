@@ -35,6 +35,7 @@ from ...kernels import (
     weight_bits,
     weight_qmax,
 )
+from ..comfy_contracts import restorable_backup
 from ..page import show_image_on_node, show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
@@ -98,6 +99,9 @@ class ModelCopies:
         self.float_size: int | None = None
         self.int8_size: tuple[tuple[str, ...], int] | None = None  # (layer names, their INT8 copies' bytes)
         self.last_swap: tuple | None = None  # ((names, device), {path: copy}, [(name, copy)]) of the last call
+        # The model's ModelPatcher.backup (shared by its clones) where its patcher frees memory by restoring it
+        # (dynamic VRAM), else None.
+        self.backup: dict | None = None
 
     def release(self, name: str) -> int:
         """Drop the INT8 copy of layer `name` (ComfyUI moved its float layer); rebuilt on its next call."""
@@ -175,7 +179,7 @@ class Int8Plan:
         for module in copies.modules.values():
             release_packed_weight(module.weight)
         for marker in copies.markers.values():  # unpatch_model zeroed the model's loaded memory
-            marker.counted_bytes = 0
+            marker.forget()
         copies.modules, copies.state, copies.int8_size, copies.last_swap = {}, None, None, None
         self._candidates.forget()  # the unpatch restored ComfyUI's object patches, which may replace modules
 
@@ -203,6 +207,12 @@ class Int8Plan:
         guider = executor.class_obj
         if self.last_result is not None:  # before ComfyUI loads the model: plan the load with the INT8 copies
             self._report_size(guider.model_patcher, self.last_result.chosen)
+        # Dynamic VRAM's load starts by restoring every backup entry, which would release the copies this run is
+        # about to use: until the load (on_load) or their next call counts them again, they are not counted.
+        for model, copies in list(self._copies.items()):
+            if copies.backup is not None:
+                self._uncount(model, copies.markers.values())
+                copies.last_swap = None
         previous = self._run_fingerprint
         self._run_fingerprint = self.fingerprint(guider.model_patcher)
         try:
@@ -215,6 +225,9 @@ class Int8Plan:
         x = wrapper_arg(args, kwargs, 0, "x")
         if not in_multigpu_call(wrapper_arg(args, kwargs, 5, "transformer_options", None)):
             self._drop_other_models(base_model)
+        patcher = getattr(base_model, "current_patcher", None)
+        if patcher is not None:
+            self.copies_of(base_model).backup = restorable_backup(patcher)
         fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
         key = calibration_key(fingerprint, self.settings, x)
         result = self._known_result(key, base_model, fingerprint)
@@ -291,10 +304,11 @@ class Int8Plan:
         function lists; count the INT8 copies that stay, where they stay, and tie them to their layers again."""
         base_model = patcher.model
         copies = self.copies_of(base_model)
+        copies.backup = restorable_backup(patcher)
         if full_load and not base_model.model_lowvram:  # ComfyUI counted model_size(), INT8 copies included
             base_model.model_loaded_weight_memory = copies.float_size or patcher.model_size()
-        for marker in copies.markers.values():
-            marker.counted_bytes = 0
+        for marker in copies.markers.values():  # the load reset the model's loaded memory
+            marker.forget()
         root = self._fresh_module_cache(base_model)
         self._candidates.forget()  # the load applied ComfyUI's object patches, which may replace modules
         copies.int8_size = copies.last_swap = None
@@ -310,27 +324,32 @@ class Int8Plan:
     def _track(base_model, copies: ModelCopies, name: str, float_module: torch.nn.Module,
                layer: torch.nn.Module) -> None:
         """Put the layer's marker into its float layer's `bias_function` and count a copy on the device ComfyUI
-        loads the model to in the model's loaded memory, offloaded float layer or not."""
+        loads the model to in the model's loaded memory, offloaded float layer or not (see residency.py)."""
         if not hasattr(float_module, "bias_function"):
             return  # not one of ComfyUI's op classes: ModelPatcher neither counts nor offloads it
         marker = marker_of(float_module, name)
-        if marker is None:
-            marker = Int8CopyMarker(name, copies.release)
+        if marker is None:  # a load rewrote the list: the layer's marker goes back in
+            marker = copies.markers.get(name) or Int8CopyMarker(name, copies.release)
             float_module.bias_function = [*float_module.bias_function, marker]  # a new list: never the class's
         copies.markers[name] = marker
         loaded_to = getattr(base_model, "device", None)
         if marker.counted_bytes == 0 and loaded_to is not None and is_on(layer.weight, loaded_to):
-            marker.counted_bytes = int8_module_bytes(layer)
+            marker.count(int8_module_bytes(layer), base_model, copies.backup)
             base_model.model_loaded_weight_memory = getattr(base_model, "model_loaded_weight_memory", 0) + \
                 marker.counted_bytes
+
+    @staticmethod
+    def _uncount(base_model, markers) -> None:
+        """Take these markers' copies out of the model's loaded memory (and out of its backup)."""
+        for marker in markers:
+            freed = marker.forget()
+            if freed:
+                base_model.model_loaded_weight_memory -= freed
 
     def _uncount_dropped(self, base_model) -> None:
         """Take the copies calibration dropped out of the model's loaded memory."""
         copies = self.copies_of(base_model)
-        for name, marker in copies.markers.items():
-            if name not in copies.modules and marker.counted_bytes:
-                base_model.model_loaded_weight_memory -= marker.counted_bytes
-                marker.counted_bytes = 0
+        self._uncount(base_model, [marker for name, marker in copies.markers.items() if name not in copies.modules])
 
     def _report_size(self, patcher, names: list[str]) -> None:
         """Make `patcher.model_size()` (what ComfyUI plans loads and frees memory with) include the INT8 copies

@@ -8,19 +8,34 @@ and counts the bytes it returns as freed; the marker then drops the INT8 copy, w
 next call that needs it. A fresh `load` rewrites the lists without the marker; the plan puts it back and counts
 the copy again on its next call. Markers go in `bias_function`, not `weight_function`: ComfyUI copies the
 tensor that a function list patches on every cast, and a bias is small.
+
+ComfyUI 0.38's dynamic VRAM never moves those lists when it frees memory: its `partially_unload` reports the
+whole loaded count (INT8 copies included) as freed through `restore_loaded_backups`, which puts back every entry
+of the patcher's `backup` with `set_attr_param(model, key, entry.weight)`. So a counted copy also has an entry
+there, whose key leads through the model to its marker: restoring it releases the copy. The same restore opens
+every dynamic `load` (each prompt); before a sampling run loads the model the plan takes the entries out
+and the copies out of the count, and counts them again with new entries once the load is done: a prompt keeps its
+copies, and a later partial unload frees them.
 """
 
 from __future__ import annotations
 
+import collections
+import types
 from collections.abc import Callable
 
 import comfy.model_management
 import torch
 
+_HOLDER = "int8_accel_copy_markers"  # attribute of the model (ComfyUI's BaseModel) through which backups reach markers
+# A backup entry as ModelPatcher writes them (`weight`, `inplace_update`); restoring its empty weight releases a copy.
+_RELEASE_ENTRY = collections.namedtuple("Dimension", ["weight", "inplace_update"])(torch.empty(0), False)
+
 
 class Int8CopyMarker:
     """Entry in a float layer's `bias_function`: passes the bias through, and releases the layer's INT8 copy
-    when ComfyUI moves the layer (returning the bytes that frees on the device ComfyUI loaded it to)."""
+    when ComfyUI moves the layer (returning the bytes that frees on the device ComfyUI loaded it to) or restores
+    its backup entry."""
 
     passes_through = True  # changes no bias: not a weight patch (comfy_contracts.has_weight_patches)
 
@@ -28,14 +43,46 @@ class Int8CopyMarker:
         self.name = name
         self.counted_bytes = 0  # bytes of the INT8 copy added to the model's loaded memory
         self._release = release
+        self._token = f"copy{id(self)}"
+        self._armed: tuple[types.SimpleNamespace, dict] | None = None  # (holder on the model, backup) with an entry
 
     def __call__(self, bias: torch.Tensor) -> torch.Tensor:
         return bias
 
-    def move_to(self, device: torch.device | None = None) -> int:
+    def count(self, nbytes: int, model: torch.nn.Module, backup: dict | None) -> None:
+        """The copy's `nbytes` were added to `model`'s loaded memory: give it an entry in `backup` (ComfyUI's
+        `ModelPatcher.backup` of that model; None where unknown) whose restore releases it."""
+        self.counted_bytes = nbytes
+        if backup is None or self._armed is not None:
+            return
+        holder = model.__dict__.setdefault(_HOLDER, types.SimpleNamespace())
+        setattr(holder, self._token, self)
+        backup[f"{_HOLDER}.{self._token}.restored"] = _RELEASE_ENTRY
+        self._armed = (holder, backup)
+
+    def forget(self) -> int:
+        """The copy no longer counts in the model's loaded memory (returns the bytes that were counted); its
+        backup entry goes too."""
         freed, self.counted_bytes = self.counted_bytes, 0
+        if self._armed is not None:
+            holder, backup = self._armed
+            backup.pop(f"{_HOLDER}.{self._token}.restored", None)
+            holder.__dict__.pop(self._token, None)
+            self._armed = None
+        return freed
+
+    def move_to(self, device: torch.device | None = None) -> int:
+        freed = self.forget()
         self._release(self.name)
         return freed
+
+    @property
+    def restored(self) -> None:  # ComfyUI's set_attr reads the attribute before it sets it
+        return None
+
+    @restored.setter
+    def restored(self, _value) -> None:  # ComfyUI restored the backup entry: it counts the copy as freed
+        self.move_to()
 
 
 def marker_of(module: torch.nn.Module, name: str) -> Int8CopyMarker | None:

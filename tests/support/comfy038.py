@@ -319,10 +319,13 @@ def dynamic_load(patcher, device_to=CPU) -> None:
     `force_load_param` (the backed-up weight put back if there is one, then `patch_weight_to_device(key,
     force_cast=True)`, its bytes counted in `model_loaded_weight_memory`); then the loop over
     `model.named_buffers()` that records each buffer in `backup_buffers` (if not there yet), sets it again cast to
-    `device_to` and counts it; `current_weight_patches_uuid` is set. Run it inside `dynamic_vram_casts`."""
+    `device_to` and counts it; `current_weight_patches_uuid` is set; last, the ON_LOAD callbacks (with
+    `lowvram_model_memory` 0 and `full_load` False, as `partially_load` calls it). Run it inside
+    `dynamic_vram_casts`."""
     import comfy.model_management
     import comfy.model_patcher
     import comfy.utils
+    from comfy.patcher_extension import CallbacksMP
 
     restore_loaded_backups(patcher)
     model = patcher.model
@@ -366,6 +369,8 @@ def dynamic_load(patcher, device_to=CPU) -> None:
         model.model_loaded_weight_memory += casted_buf.numel() * casted_buf.element_size()
     model.device = device_to
     model.current_weight_patches_uuid = patcher.patches_uuid
+    for callback in patcher.get_all_callbacks(CallbacksMP.ON_LOAD):
+        callback(patcher, device_to, 0, False, False)
 
 
 def partially_load(patcher, device_to=CPU) -> None:
@@ -384,6 +389,16 @@ def partially_unload(patcher, memory_to_free: float = 0) -> int:
     if freed < memory_to_free:
         freed += restore_loaded_backups(patcher)
     return freed
+
+
+def make_dynamic(patcher, monkeypatch) -> None:
+    """Give 0.3.75's `patcher` what tells 0.38.1's `ModelPatcherDynamic` apart where the pack looks: its
+    `restore_loaded_backups` (above) as a method, and `is_dynamic()` True, for the test."""
+    import types
+
+    monkeypatch.setattr(patcher, "restore_loaded_backups", types.MethodType(restore_loaded_backups, patcher),
+                        raising=False)
+    monkeypatch.setattr(patcher, "is_dynamic", lambda: True, raising=False)
 
 
 def dynamic_unpatch_model(patcher) -> None:
