@@ -9,7 +9,10 @@ Every other layer loads its float tensors as usual. So the float weights of INT8
 
 Loading copies nothing it does not have to: a tensor whose dtype and device already match becomes the layer's
 own (from a memory-mapped file that means the model's weights are the file's pages, read once, never held twice),
-and only the small `weight_scale` / `comfy_quant` entries are kept aside for layers the ops do not build.
+and only the small `weight_scale` / `comfy_quant` entries are kept aside for layers the ops do not build. The
+exception is ComfyUI 0.38's read-only mapping of a file (`load_safetensors` under dynamic VRAM) in a load that
+does not assign (a plain ModelPatcher's, as for conditioning hooks): ComfyUI may then write weights in place
+(hook LoRA, `weight_inplace_update`), so the layer takes a copy, as core's own layers do.
 """
 
 from __future__ import annotations
@@ -51,9 +54,19 @@ def _compute_qmax() -> int:
     return weight_qmax(comfy.model_management.get_torch_device())
 
 
-def _load_layer(module: torch.nn.Module, kind: str, state_dict: dict, prefix: str, missing_keys: list,
-                error_msgs: list, load_rest) -> None:
+def _owned(tensor: torch.Tensor | None, assigning: bool) -> torch.Tensor | None:
+    """`tensor` as a layer may hold it: a copy where it views a file ComfyUI 0.38 mapped read-only (its
+    `load_safetensors` marks their storages) and the load does not assign (ComfyUI 0.38 assigns only for dynamic
+    VRAM, which never writes into weights; core's layers copy otherwise, see `_lazy_load_from_state_dict`)."""
+    if tensor is None or assigning or not hasattr(tensor.untyped_storage(), "_comfy_tensor_mmap_refs"):
+        return tensor
+    return tensor.clone()
+
+
+def _load_layer(module: torch.nn.Module, kind: str, state_dict: dict, prefix: str, local_metadata: dict,
+                missing_keys: list, error_msgs: list, load_rest) -> None:
     """Shared `_load_from_state_dict` of the ops' Linear and Conv2d (`load_rest` is the base class's)."""
+    assigning = bool(local_metadata.get("assign_to_params_buffers", False))
     name = prefix[:-1] if prefix.endswith(".") else prefix
     shape, dtype, device = tuple(module.weight.shape), module.weight.dtype, module.weight.device
     quantized = read_int8_layer(state_dict, name, qmax=_compute_qmax())
@@ -66,10 +79,11 @@ def _load_layer(module: torch.nn.Module, kind: str, state_dict: dict, prefix: st
     if weight is not None and tuple(weight.shape) != shape:
         error_msgs.append(f"size mismatch for {prefix}weight: checkpoint {list(weight.shape)}, model {list(shape)}")
         return
-    bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    bias = None if bias is None else _owned(bias.to(device=device, dtype=dtype), assigning)
     if quantized is None:
         if weight is not None:
-            module.weight = torch.nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
+            module.weight = torch.nn.Parameter(_owned(weight.to(device=device, dtype=dtype), assigning),
+                                               requires_grad=False)
         if bias is not None:
             module.bias = torch.nn.Parameter(bias, requires_grad=False)
         return
@@ -80,7 +94,8 @@ def _load_layer(module: torch.nn.Module, kind: str, state_dict: dict, prefix: st
     if meta.get("requantized"):
         log.debug("int8-accel: %s requantized on load (%s)", name, meta["requantized"])
     module.__class__ = Int8Linear if kind == "linear" else Int8Conv2d
-    module._init_from_quantized(q_weight.to(device=device), scale.to(device=device), bias, _compute_qmax(), dtype)
+    module._init_from_quantized(_owned(q_weight.to(device=device), assigning), _owned(scale.to(device=device), assigning),
+                                bias, _compute_qmax(), dtype)
 
 
 def int8_operations(base: type = comfy.ops.disable_weight_init) -> type:
@@ -98,7 +113,7 @@ def int8_operations(base: type = comfy.ops.disable_weight_init) -> type:
                 def rest(sd, pre, missing, errors):
                     super(Int8CheckpointOps.Linear, self)._load_from_state_dict(
                         sd, pre, local_metadata, strict, missing, unexpected_keys, errors)
-                _load_layer(self, "linear", state_dict, prefix, missing_keys, error_msgs, rest)
+                _load_layer(self, "linear", state_dict, prefix, local_metadata, missing_keys, error_msgs, rest)
 
         class Conv2d(base.Conv2d):
             def __init__(self, in_channels, out_channels, kernel_size, *args, device=None, dtype=None, **kwargs):
@@ -112,7 +127,7 @@ def int8_operations(base: type = comfy.ops.disable_weight_init) -> type:
                 def rest(sd, pre, missing, errors):
                     super(Int8CheckpointOps.Conv2d, self)._load_from_state_dict(
                         sd, pre, local_metadata, strict, missing, unexpected_keys, errors)
-                _load_layer(self, "conv", state_dict, prefix, missing_keys, error_msgs, rest)
+                _load_layer(self, "conv", state_dict, prefix, local_metadata, missing_keys, error_msgs, rest)
 
     return Int8CheckpointOps
 

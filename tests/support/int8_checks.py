@@ -18,9 +18,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def all_int8_layers(diffusion_model) -> dict[str, torch.nn.Module]:
-    """Every eligible layer as the pack's INT8 module, built the way the Quantize node builds them."""
+def all_int8_layers(diffusion_model, names=None) -> dict[str, torch.nn.Module]:
+    """Every eligible layer (of `names`, where given) as the pack's INT8 module, built the way the Quantize node
+    builds them."""
     from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
 
     return {name: Int8Plan._quantize_layer(diffusion_model.get_submodule(path), kind)
-            for name, (path, kind) in find_candidates(diffusion_model).items()}
+            for name, (path, kind) in find_candidates(diffusion_model).items() if names is None or name in names}

@@ -1,0 +1,127 @@
+"""Two ways ComfyUI 0.38 applies a LoRA without merging it at load, on INT8 models, in the real ComfyUI 0.3.75
+with 0.38.1's functions swapped in and 0.3.75's own behaviour as the control: conditioning hooks on a loaded
+INT8 file (`tests/support/comfy038_mmap.py`) and bypass-mode LoRA (`tests/support/comfy038_bypass.py`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from comfyui_int8_accel.kernels import force_kernel_backend
+from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict
+from comfyui_int8_accel.nodes.int8.loader import int8_operations, int8_resident_layers, load_int8_diffusion_model
+from harness.tiny_models import build_tiny_model, detect_tiny, latent_channels, make_conditioning
+from tests.support.int8_checks import all_int8_layers, rel
+from tests.support.lora import make_lora
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
+
+
+def _hooked_call(patcher, hooks) -> torch.Tensor:
+    """What ComfyUI's sampler does for a conditioning that carries `hooks` (None: no hooks), once: load the model,
+    register the hook patches (`prepare_model_patcher`), patch the weights for that conditioning (`apply_hooks` ->
+    `patch_hooks`), call the model, and put the weights back (`unpatch_hooks`, as its cleanup does)."""
+    import comfy.hooks
+
+    gen = torch.Generator().manual_seed(3)
+    positive, _ = make_conditioning("sd15")
+    x, t = torch.randn(1, latent_channels("sd15"), 8, 8, generator=gen), torch.tensor([700.0])
+    patcher.patch_model(device_to=torch.device("cpu"))
+    try:
+        with torch.inference_mode():
+            if hooks is not None:
+                target = comfy.hooks.create_target_dict(comfy.hooks.EnumWeightTarget.Model)
+                patcher.register_all_hook_patches(hooks, target, patcher.model_options)
+                patcher.patch_hooks(hooks)
+            cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
+            cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
+            out = patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
+            patcher.unpatch_hooks()
+        return out
+    finally:
+        patcher.unpatch_model(device_to=torch.device("cpu"))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="maps the file through libc, as comfy-aimdo does on POSIX")
+def test_conditioning_hook_lora_on_a_loaded_int8_file_never_writes_into_the_read_only_mapped_file(
+        comfy_root, monkeypatch, tmp_path):
+    """ComfyUI 0.38.1 loads every .safetensors file through `load_safetensors` while comfy-aimdo is on (the
+    default on NVIDIA), also the plain-ModelPatcher copy that conditioning hooks run on (`inner_set_conds` ->
+    `get_non_dynamic_delegate` -> `cached_patcher_init(..., disable_dynamic=True)`); its tensors view the file
+    mapped `PROT_READ` (comfy/utils.py at 09708eae709a992a5684bed3595ce4d07e705b4e, comfy-aimdo's
+    src-posix/model-mmap.c at 59db82589f058d7e0394566d43aacfbd3227f4df). Core's own layers copy them in such a load
+    (`load_model_weights(..., assign=model_patcher.is_dynamic())` in comfy/sd.py at
+    033046cc4fac82d954c6daedccf1c8128433c4f1, `_lazy_load_from_state_dict` in comfy/ops.py at
+    0271a469fe29524fafe5872b737123d65a63e5fc); Load Diffusion Model (INT8) took them as they were, and the hook LoRA
+    (`patch_hook_weight_to_device` at 08d0e510f4e539a1db39072589817136ac6cfa7d: `set_weight(..., inplace_update=
+    True)` and `copy_to_param`) then wrote into the mapped file: a crash (SIGSEGV), caught here as `ReadOnlyWrite`.
+    On a CPU every layer stays in system memory, as offloaded layers do on a GPU. The INT8 layers keep 8-bit
+    weights (the reference kernels), so their int8 values are the file's, as on a GPU. The LoRA reaches six INT8
+    layers and two float ones (the file's other layers are float too)."""
+    import comfy.hooks
+    import comfy.model_patcher
+    import comfy.utils
+
+    from tests.support import comfy038_mmap
+
+    detect_tiny(monkeypatch, "sd15")
+    base = build_tiny_model("sd15")
+    dm = base.model.diffusion_model
+    lora = make_lora(base, layers=8, scale=2.0)
+    lora_layers = sorted({key.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for key in lora})
+    int8_layers = all_int8_layers(dm, lora_layers[2:])
+    path = str(tmp_path / "tiny_int8.safetensors")
+    comfy.utils.save_torch_file(int8_state_dict(dm.state_dict().items(), int8_layers), path)
+    hooks = comfy.hooks.create_hook_lora(lora, strength_model=1.0, strength_clip=0.0)
+
+    with force_kernel_backend("reference"):
+        with monkeypatch.context() as patch:  # the control: 0.3.75's own file loading, hooks as 0.38.1 patches
+            patch.setattr(comfy.model_patcher.ModelPatcher, "patch_hook_weight_to_device",
+                          comfy038_mmap.patch_hook_weight_to_device)
+            control_model = load_int8_diffusion_model(path)[0]
+            plain = _hooked_call(control_model, None)
+            control = _hooked_call(control_model, hooks)
+        assert rel(control, plain) > 0.01  # the hook LoRA took effect
+
+        with comfy038_mmap.aimdo_loading(monkeypatch):
+            loaded = load_int8_diffusion_model(path)[0]
+            factory, args = loaded.cached_patcher_init
+            delegate = factory(*args, disable_dynamic=True)
+            resident = int8_resident_layers(delegate.model.diffusion_model)
+            assert set(resident) == set(int8_layers)
+            assert all(layer.weight.dtype == torch.int8 for layer in resident.values())
+            with comfy038_mmap.no_writes_into_mappings():
+                hooked = _hooked_call(delegate, hooks)
+    assert torch.equal(hooked, control)
+
+
+def test_a_load_that_assigns_keeps_the_file_mapped(comfy_root, tmp_path):
+    """The boundary of the copy above: ComfyUI 0.38's dynamic VRAM loads with `assign=True` and streams the weights
+    from the mapped file; an INT8 layer of Load Diffusion Model (INT8) then keeps the file's tensors (no copy), and
+    takes a copy when the load does not assign."""
+    import comfy.utils
+
+    from tests.support import comfy038_mmap
+
+    if os.name != "posix":
+        pytest.skip("maps the file through libc, as comfy-aimdo does on POSIX")
+    linear = torch.nn.Linear(64, 32)
+    layer = all_int8_layers(torch.nn.Sequential(linear))["0"]
+    path = str(tmp_path / "one_layer.safetensors")
+    comfy.utils.save_torch_file(int8_state_dict([("0.weight", linear.weight), ("0.bias", linear.bias)],
+                                                {"0": layer}), path)
+    with force_kernel_backend("reference"):  # 8-bit weights: the file's int8 values are used as they are
+        held = {}
+        for assign in (True, False):
+            sd = comfy038_mmap.load_safetensors(path)[0]
+            model = torch.nn.Sequential(int8_operations().Linear(64, 32))
+            model.load_state_dict({key: sd[key] for key in sd}, strict=False, assign=assign)
+            held[assign] = model[0]
+    assert comfy038_mmap.in_mapping(held[True].weight) and comfy038_mmap.in_mapping(held[True].bias)
+    assert not comfy038_mmap.in_mapping(held[False].weight) and not comfy038_mmap.in_mapping(held[False].bias)
+    assert torch.equal(held[True].weight, held[False].weight)
