@@ -11,12 +11,16 @@ ComfyUI has changed how a layer gets its weights several times:
   `module.weight`), `load()` refuses `force_patch_weights`, and small layers are force-loaded through
   `patch_weight_to_device(force_cast=True)`, which calls `convert_weight(weight, inplace=True)` on the stored
   weight;
+- bypass-mode LoRA (0.38, `load_bypass_lora_for_models`): the layer's weights stay as they are and a hook
+  replaces its `forward` with `g(forward(x) + h(x))`;
 - `QuantizedTensor` weights (core's quantized checkpoints), `cached_patcher_init` (how a patcher is rebuilt for
-  `clone(disable_dynamic=True)` and MultiGPU) and `lora_compute_dtype` (the dtype LoRA math runs in).
+  `clone(disable_dynamic=True)` and MultiGPU), `lora_compute_dtype` (the dtype LoRA math runs in) and, under
+  dynamic VRAM, memory freed by restoring the patcher's backups (`restore_loaded_backups`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -99,6 +103,28 @@ def patches_in_forward(module: torch.nn.Module) -> bool:
 def uses_vbar_cast(module: torch.nn.Module) -> bool:
     """True when dynamic VRAM streams this layer's weights through the VBAR cast path (it holds a VBAR slot)."""
     return hasattr(module, "_v")
+
+
+def bypass_hook(module: torch.nn.Module):
+    """ComfyUI 0.38's bypass-mode LoRA on `module` (`load_bypass_lora_for_models`: a `BypassForwardHook`, whose
+    `inject` replaced the layer's `forward` with its own `_bypass_forward`, `g(original_forward(x) + h(x))`), or
+    None."""
+    hook = getattr(module.__dict__.get("forward"), "__self__", None)
+    return hook if hasattr(hook, "original_forward") and hasattr(hook, "adapter") else None
+
+
+def follow_bypass(float_module: torch.nn.Module, replacement: torch.nn.Module) -> None:
+    """Give `replacement`, which computes in place of `float_module`, the bypass-mode LoRA `float_module` has now
+    (the same hook, with `replacement`'s own forward as the one it adds the LoRA to), or take it away."""
+    hook = bypass_hook(float_module)
+    mirrored = getattr(replacement.__dict__.get("forward"), "__self__", None)
+    if hook is None:
+        replacement.__dict__.pop("forward", None)
+    elif getattr(mirrored, "mirrors", None) is not hook:
+        mirrored = copy.copy(hook)
+        mirrored.module, mirrored.mirrors = replacement, hook
+        mirrored.original_forward = type(replacement).forward.__get__(replacement)
+        replacement.forward = mirrored._bypass_forward
 
 
 def restorable_backup(patcher) -> dict | None:

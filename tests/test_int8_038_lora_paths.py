@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from comfyui_int8_accel.kernels import force_kernel_backend
+from comfyui_int8_accel.kernels import force_kernel_backend, record_calls
 from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict
 from comfyui_int8_accel.nodes.int8.loader import int8_operations, int8_resident_layers, load_int8_diffusion_model
 from harness.tiny_models import build_tiny_model, detect_tiny, latent_channels, make_conditioning
@@ -125,3 +125,81 @@ def test_a_load_that_assigns_keeps_the_file_mapped(comfy_root, tmp_path):
     assert comfy038_mmap.in_mapping(held[True].weight) and comfy038_mmap.in_mapping(held[True].bias)
     assert not comfy038_mmap.in_mapping(held[False].weight) and not comfy038_mmap.in_mapping(held[False].bias)
     assert torch.equal(held[True].weight, held[False].weight)
+
+
+def _model_call(patcher, calls: int = 1) -> torch.Tensor:
+    """The model's output on one fixed input, on the `calls`-th call, loaded as ComfyUI loads it for sampling
+    (`patch_model`, which injects the bypass hooks; `pre_run`)."""
+    gen = torch.Generator().manual_seed(3)
+    positive, _ = make_conditioning("sd15")
+    x, t = torch.randn(1, latent_channels("sd15"), 8, 8, generator=gen), torch.tensor([700.0])
+    patcher.patch_model(device_to=torch.device("cpu"))
+    patcher.pre_run()
+    try:
+        with torch.inference_mode():
+            cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
+            cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
+            for _ in range(calls):
+                with record_calls() as counted:
+                    out = patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
+        assert sum(n for (_, _, path), n in counted.items() if path == "int8") > 0 or calls == 1
+        return out
+    finally:
+        patcher.unpatch_model(device_to=torch.device("cpu"))
+
+
+def test_bypass_mode_lora_reaches_the_int8_layers(comfy_root, monkeypatch):
+    """ComfyUI 0.38.1's bypass-mode LoRA (`load_bypass_lora_for_models`, comfy/sd.py at
+    033046cc4fac82d954c6daedccf1c8128433c4f1) leaves the weights alone: `BypassForwardHook.inject`
+    (comfy/weight_adapter/bypass.py at 511d2e5fabe4db672dc1f9555edd00cc993cb283) replaces the float layer's `forward`
+    with `g(forward(x) + h(x))` (`LoRAAdapter.h`, comfy/weight_adapter/lora.py at
+    6f98b150e065f1ffc788558574a887835068bd40). Quantize Model (INT8) puts its INT8 copy in the float layer's place
+    for each call, so the hooked forward never ran: the LoRA was lost on every INT8 layer, and its calibration
+    measured the LoRA as INT8 error under the same fingerprint as the model without it. The copy now follows the
+    hook, calibration compares the layers' own outputs, and the bypass LoRA is part of the calibration key.
+    Control: the same LoRA merged at load (0.3.75's own path) through the same INT8 layers. Load Diffusion Model
+    (INT8) layers take the hook on their own forward, as core's quantized layers do."""
+    from comfyui_int8_accel.nodes.int8 import apply_int8, int8_plan, settings_from_widgets
+    from comfyui_int8_accel.nodes.int8.loader import load_int8_state_dict
+    from tests.support import comfy038_bypass
+    from tests.support.int8_checks import ALL_INT8
+    from tests.support.lora import apply_lora
+
+    detect_tiny(monkeypatch, "sd15")
+    base = build_tiny_model("sd15")
+    lora = make_lora(base, layers=6, scale=2.0, kinds=(torch.nn.Linear,))
+    lora_layers = sorted({key.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for key in lora})
+    settings = settings_from_widgets(**{**ALL_INT8, "quantize_conv": "disable"})
+    with comfy038_bypass.bypass_lora_038(monkeypatch):
+        plain = _model_call(base)
+        merged = _model_call(apply_lora(base, lora))
+        bypassed = comfy038_bypass.load_bypass_lora_for_models(base, None, lora, 1.0, 0.0)[0]
+        assert rel(_model_call(bypassed), merged) < 1e-5  # 0.38.1's bypass computes what a merged LoRA does
+        lora_effect = rel(merged, plain)
+        assert lora_effect > 0.05
+
+        int8_bypass_model = apply_int8(bypassed, settings)[0]
+        int8_bypassed = _model_call(int8_bypass_model, calls=2)
+        plan = int8_plan(int8_bypass_model)
+        assert set(lora_layers) <= set(plan.last_result.chosen)  # the LoRA's layers run in INT8
+        assert rel(int8_bypassed, merged) < 0.25 * lora_effect, (rel(int8_bypassed, merged), lora_effect)
+        assert plan._bypass_fingerprint_of[0].startswith(":bypass:")  # part of the calibration key
+        # the copies follow the hooks from one call to the next, also where nothing reloads in between
+        model, chosen, cpu = int8_bypass_model.model, plan.last_result.chosen, torch.device("cpu")
+        int8_bypass_model.patch_model(device_to=cpu)
+        int8_bypass_model.pre_run()
+        following = []
+        try:
+            for _ in range(2):
+                layers = plan._int8_modules(model, chosen, cpu, plan._bypass_fingerprint(model)).values()
+                following.append(sum("forward" in layer.__dict__ for layer in layers))
+                int8_bypass_model.eject_model()
+        finally:
+            int8_bypass_model.unpatch_model(device_to=cpu)
+        assert following == [len(lora_layers), 0]
+
+        dm = base.model.diffusion_model
+        loaded = load_int8_state_dict(int8_state_dict(dm.state_dict().items(), all_int8_layers(dm, lora_layers)))
+        loaded_plain = _model_call(loaded)
+        loaded_bypassed = _model_call(comfy038_bypass.load_bypass_lora_for_models(loaded, None, lora, 1.0, 0.0)[0])
+        assert rel(loaded_bypassed, merged) < 0.25 * lora_effect and rel(loaded_bypassed, loaded_plain) > 0.05

@@ -192,6 +192,16 @@ def model_fingerprint(patcher, weight_keys: list[str]) -> str:
     return hasher.hexdigest()[:32]
 
 
+def bypass_fingerprint(hooks: dict) -> str:
+    """Fingerprint of bypass-mode LoRA hooks ({layer name: hook}, see `comfy_contracts.bypass_hook`): each adapter's
+    weights and strength."""
+    hasher = hashlib.sha256()
+    for name in sorted(hooks):
+        hasher.update(name.encode())
+        _digest_patch(hasher, (hooks[name].adapter, float(hooks[name].multiplier)))
+    return hasher.hexdigest()[:32]
+
+
 def linear_gemm_for(device: torch.device) -> str:
     """The Linear GEMM of the kernel backend serving `device`: the triton backend's choice, "" for the others."""
     return linear_gemm(device) if kernel_backend_for(device) == "triton" else ""

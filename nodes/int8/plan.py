@@ -35,7 +35,7 @@ from ...kernels import (
     weight_bits,
     weight_qmax,
 )
-from ..comfy_contracts import restorable_backup
+from ..comfy_contracts import bypass_hook, follow_bypass, restorable_backup
 from ..page import show_image_on_node, show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
@@ -43,6 +43,7 @@ from .calibration import (
     INT8,
     CalibrationResult,
     LayerMeasurement,
+    bypass_fingerprint,
     calibration_key,
     decide,
     linear_gemm_for,
@@ -137,6 +138,7 @@ class Int8Plan:
         self.shown_result: CalibrationResult | None = None  # the calibration the node's report output describes
         self._run_fingerprint: str | None = None
         self._fingerprints: dict[tuple, str] = {}
+        self._bypass_fingerprint_of: tuple[str, list] | None = None  # (fingerprint, weakrefs to its owners)
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> ModelCopies
         self._last_copies = ModelCopies()  # those of the model that ran last (what `_modules` shows)
         self._calibration_lock = threading.Lock()  # one calibration per key, whichever device's thread comes first
@@ -191,6 +193,24 @@ class Int8Plan:
             self._fingerprints = {state: model_fingerprint(patcher, keys)}
         return self._fingerprints[state]
 
+    def _bypass_fingerprint(self, base_model) -> str:
+        """The bypass-mode LoRA on the model's layers now, which no weight patch carries ('' when none). It comes as
+        one of the injections of the patcher that runs (`current_patcher`), so the layers are looked at once per
+        injected patcher and set of injections."""
+        patcher = getattr(base_model, "current_patcher", None)
+        injections = getattr(patcher, "injections", None)
+        if not injections or not getattr(patcher, "is_injected", False):
+            return ""
+        owners = (patcher, *(injection for group in injections.values() for injection in group))
+        cached = self._bypass_fingerprint_of
+        if cached is None or [ref() for ref in cached[1]] != list(owners):
+            root = base_model.diffusion_model
+            hooks = {name: hook for name, (path, _) in self._candidates.get(root).items()
+                     if (hook := bypass_hook(module_at(root, path))) is not None}
+            cached = self._bypass_fingerprint_of = (f":bypass:{bypass_fingerprint(hooks)}" if hooks else "",
+                                                    [weakref.ref(owner) for owner in owners])
+        return cached[0]
+
     def node_report(self, patcher, candidates: dict[str, tuple[str, str]]) -> str:
         self.shown_result = load_last_result(self.fingerprint(patcher), self.settings)
         if self.shown_result is not None:
@@ -229,7 +249,8 @@ class Int8Plan:
         if patcher is not None:
             self.copies_of(base_model).backup = restorable_backup(patcher)
         fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
-        key = calibration_key(fingerprint, self.settings, x)
+        bypass = self._bypass_fingerprint(base_model)
+        key = calibration_key(fingerprint + bypass, self.settings, x)
         result = self._known_result(key, base_model, fingerprint)
         if result is None:
             with self._calibration_lock:  # MultiGPU: another device's thread may be calibrating this key now
@@ -237,7 +258,7 @@ class Int8Plan:
                 if result is None:
                     return self._calibrate(executor, base_model, args, kwargs, key, fingerprint)
         self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
-        replacements = self._int8_modules(base_model, result.chosen, x.device)
+        replacements = self._int8_modules(base_model, result.chosen, x.device, bypass)
         with swapped_modules(base_model.diffusion_model, replacements):
             return executor(*args, **kwargs)
 
@@ -252,12 +273,14 @@ class Int8Plan:
         return result
 
     # --- INT8 modules, rebuilt whenever the live weights change ----------------------------------------
-    def _int8_modules(self, base_model, names: list[str], device: torch.device) -> dict[str, torch.nn.Module]:
+    def _int8_modules(self, base_model, names: list[str], device: torch.device,
+                      bypass: str = "") -> dict[str, torch.nn.Module]:
         """{module path: INT8 copy} of the chosen layers, built where missing for computing on `device`, each
-        tied to its float layer so that ComfyUI counts it and frees it with that layer (see residency.py)."""
+        tied to its float layer so that ComfyUI counts it and frees it with that layer (see residency.py) and
+        following the bypass-mode LoRA it has (`bypass`: its fingerprint)."""
         root = self._fresh_module_cache(base_model)
         copies = self.copies_of(base_model)
-        request = (tuple(names), device)
+        request = (tuple(names), device, bypass)
         last = copies.last_swap
         if last is not None and last[0] == request and all(copies.modules.get(name) is layer for name, layer in last[2]):
             return last[1]  # the same copies as the previous call, already placed and tracked
@@ -271,11 +294,12 @@ class Int8Plan:
                 float_module = module_at(root, path)
             except AttributeError:  # replaced since the walk, though no load or detach said so: walk again
                 self._candidates.forget(root)
-                return self._int8_modules(base_model, names, device)
+                return self._int8_modules(base_model, names, device, bypass)
             layer = self._placed_copy(copies, name, device)
             if layer is None:
                 layer = copies.modules[name] = self._copy_for_device(float_module, kind, device)
             self._track(base_model, copies, name, float_module, layer)
+            follow_bypass(float_module, layer)
             out[path] = layer
             placed.append((name, layer))
         copies.last_swap = (request, out, placed)
@@ -433,9 +457,13 @@ class Int8Plan:
                     layer = copies.modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
                     int8_copy.append(layer)
                     memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
+                    # A bypass-mode LoRA adds the same term to the float and the INT8 output: compare the layers'
+                    # own outputs (the copy's class forward leaves out the LoRA it follows).
+                    bypass = bypass_hook(module)
+                    reference = output if bypass is None else bypass.original_forward(x)
                     if row.below_kernel_floor:  # this backend computes it in float: the INT8 arithmetic's error
-                        return normalized_mse(int8_reference_forward(layer, x), output)
-                    return normalized_mse(layer(x), output)
+                        return normalized_mse(int8_reference_forward(layer, x), reference)
+                    return normalized_mse(type(layer).forward(layer, x), reference)
 
                 def time_calls() -> tuple[float, float] | None:
                     if not gate:
@@ -492,7 +520,8 @@ class Int8Plan:
         (FlopCounterMode sees the float matmuls/convs/attention; the INT8 ops are opaque to it)."""
         from torch.utils.flop_counter import FlopCounterMode
 
-        replacements = self._int8_modules(base_model, result.chosen, args[0].device)
+        replacements = self._int8_modules(base_model, result.chosen, args[0].device,
+                                          self._bypass_fingerprint(base_model))
         counter = FlopCounterMode(display=False)
         with swapped_modules(base_model.diffusion_model, replacements), counter, record_calls() as calls:
             swapped_output = executor(*args, **kwargs)
