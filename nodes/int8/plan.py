@@ -99,7 +99,7 @@ class ModelCopies:
         self.markers: dict[str, Int8CopyMarker] = {}
         self.float_size: int | None = None
         self.int8_size: tuple[tuple[str, ...], int] | None = None  # (layer names, their INT8 copies' bytes)
-        self.last_swap: tuple | None = None  # ((names, device), {path: copy}, [(name, copy)]) of the last call
+        self.last_swap: tuple | None = None  # ((names, device, bypass), {path: copy}, [(name, copy)]) of the last call
         # The model's ModelPatcher.backup (shared by its clones) where its patcher frees memory by restoring it
         # (dynamic VRAM), else None.
         self.backup: dict | None = None
