@@ -68,14 +68,14 @@ def variant_models(model) -> dict[str, object]:
 
 
 def run_family(kind: str, seeds: list[int], steps: int = 20) -> FamilyRun:
-    """Sample every variant of the trained `kind` model once per seed (batch 1, euler, one thread). INT8 runs on every layer
-    the error gate accepts, however small (harness/tiny_layers.py); the INT8 column samples first, so its
-    first seed calibrates and the full stack reuses that decision, as a ComfyUI graph sharing one Quantize
-    node would."""
+    """Sample every variant of the trained `kind` model once per seed (batch 1, euler, one thread). INT8 runs on
+    every layer the error gate accepts, however small (harness/tiny_layers.py); the INT8 column samples first,
+    so its first seed calibrates and the full stack reuses that decision, as a ComfyUI graph sharing one
+    Quantize node would."""
     record_calls = _pack("kernels").record_calls
     run = FamilyRun(kind, steps, list(seeds))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny models run thousands of small ops: one thread is faster, far more so on a busy CPU
+    torch.set_num_threads(1)  # thousands of small ops: one thread is faster, far more so on a busy CPU
     try:
         with int8_on_tiny_layers():
             models = variant_models(tm.build_trained_model(kind))
