@@ -31,8 +31,6 @@ os.environ.setdefault("INT8_ACCEL_CACHE_DIR", tempfile.mkdtemp(prefix="int8-trai
 
 from bench.common import cpu_line, psnr  # noqa: E402
 
-FAMILY = {"sd15": "SD1.5-family UNet", "flux": "Flux-family transformer", "wan21": "Wan 2.1 transformer"}
-
 
 def pictures(latent: torch.Tensor) -> torch.Tensor:
     return ((latent.float() + 1) / 2).clamp(0, 1)
@@ -90,7 +88,7 @@ def judge(kind: str, factor: float | None, args, int8, deepcache, tm, outliers) 
             f"{psnr(pictures(cached), pictures(plain), peak=1.0):.2f} dB |")
     alone = run(deepcache.apply_deepcache(model, 3, 1, mode=args.mode))
     label = "as trained" if factor is None else f"with outliers x{factor:g}"
-    header = [f"### {FAMILY[kind]} ({kind}), {label}", ""]
+    header = [f"### {tm.FAMILY_NAMES[kind]} ({kind}), {label}", ""]
     if ratios:
         header += [ratios + ".", ""]
     header += [f"DeepCache alone ({args.mode}, interval 3): {psnr(pictures(alone), pictures(plain), peak=1.0):.2f} "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
@@ -17,6 +16,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from harness.comfy_host import import_comfy, load_pack  # noqa: E402
+from harness.psnr import psnr as array_psnr  # noqa: E402
 
 
 @dataclass
@@ -122,11 +122,10 @@ def step_breakdown(model, vae, positive, negative, *, size: int) -> dict[str, fl
 
 
 def psnr(test: torch.Tensor, reference: torch.Tensor, peak: float | None = None) -> float:
-    test, reference = test.double(), reference.double()
-    mse = float(((test - reference) ** 2).mean())
+    """harness.psnr's PSNR of two tensors (any device and dtype); `peak` defaults to the reference's range."""
     if peak is None:
         peak = float(reference.max() - reference.min())
-    return math.inf if mse == 0 else 10 * math.log10(peak ** 2 / mse)
+    return array_psnr(test.detach().double().cpu().numpy(), reference.detach().double().cpu().numpy(), peak)
 
 
 def format_table(title: str, header: list[str], rows: list[list[str]], notes: list[str], level: str = "#") -> str:

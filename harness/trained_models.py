@@ -25,6 +25,7 @@ import torch
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 KINDS = ("sd15", "flux", "wan21")
+FAMILY_NAMES = {"sd15": "SD1.5-family UNet", "flux": "Flux-family transformer", "wan21": "Wan 2.1 transformer"}
 IMAGE_SIZE = 32
 CONTEXT_TOKENS = 4
 

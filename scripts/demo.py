@@ -1,13 +1,15 @@
 """The one-command demo: a real ComfyUI server, a baseline txt2img prompt and the same prompt through the
-pack's nodes, queued over the HTTP API; prints seconds per image, the speed-up and the PSNR between them.
+pack's nodes, queued over the HTTP API; prints seconds per image, the speed-up and the PSNR between them. Then
+the picture: the nodes run in-process on the small trained models of harness/weights/, their samples side by
+side (demo-output/trained_models.png).
 
     python -m scripts.demo [--ckpt NAME] [--size 512] [--steps 20] [--nodes int8,deepcache]
+                           [--trained sd15,flux,wan21] [--trained-only]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import sys
 import time
@@ -19,24 +21,18 @@ from PIL import Image
 from harness.comfy_host import REPO_ROOT, comfyui_path
 from harness.pack_link import link_pack
 from harness.prompts import txt2img_prompt
+from harness.psnr import psnr, show_db
 from harness.server import ComfyServer
+from harness.trained_models import KINDS
 
 OUTPUT_DIR = REPO_ROOT / "demo-output"
-
-
-def psnr(a: np.ndarray, b: np.ndarray, peak: float = 255.0) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(peak ** 2 / mse)
+TRAINED_SEEDS = (1, 2, 3)
 
 
 def load_latent(path: Path) -> np.ndarray:
     from safetensors.numpy import load_file
 
     return load_file(str(path))["latent_tensor"].astype(np.float64)
-
-
-def show_db(value: float) -> str:
-    return "identical" if math.isinf(value) else f"{value:.2f} dB"
 
 
 class ProgressPrinter:
@@ -93,9 +89,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--nodes", default="int8,deepcache,compile",
                         help="comma-separated pack nodes for the accelerated run, in order: int8, deepcache, compile")
+    parser.add_argument("--trained", default=",".join(KINDS),
+                        help=f"comma-separated trained harness models ({', '.join(KINDS)}) the picture shows; empty: "
+                             "no picture")
+    parser.add_argument("--trained-only", action="store_true", help="only the picture, no server")
     args = parser.parse_args()
-    nodes = [n for n in args.nodes.split(",") if n]
+    OUTPUT_DIR.mkdir(exist_ok=True)
+    if not args.trained_only:
+        server_demo(args)
+    kinds = [k for k in args.trained.split(",") if k]
+    if kinds:
+        trained_picture(kinds)
 
+
+def server_demo(args: argparse.Namespace) -> None:
+    """The baseline and the accelerated prompt on a real server, timed and compared."""
+    nodes = [n for n in args.nodes.split(",") if n]
     root = comfyui_path()
     link_pack(root)
     ckpt = args.ckpt
@@ -108,7 +117,6 @@ def main() -> None:
         ckpt = DEFAULT_NAME
     elif not (root / "models" / "checkpoints" / ckpt).is_file():
         raise SystemExit(f"no checkpoint {ckpt!r} in {root / 'models' / 'checkpoints'}")
-    OUTPUT_DIR.mkdir(exist_ok=True)
 
     print(f"ComfyUI at {root}; checkpoint {ckpt}; {args.size}x{args.size}, {args.steps} steps; "
           f"accelerated with {' -> '.join(nodes) or 'nothing'}")
@@ -141,6 +149,30 @@ def main() -> None:
     print(f"\nimages: {OUTPUT_DIR}/. speed-up = baseline KSampler seconds / accelerated KSampler seconds; PSNR "
           "against the baseline (latent PSNR uses the baseline latent's range as peak: with random weights the "
           "decoded image hides small latent differences).")
+
+
+def trained_picture(kinds: list[str], seeds: tuple[int, ...] = TRAINED_SEEDS, steps: int = 20) -> Path:
+    """The nodes in-process on the trained `kinds`, their samples in one labelled grid; prints each variant's
+    PSNR against plain and returns the picture's path."""
+    from harness.trained_demo import VARIANTS, demo_picture, run_family
+
+    print(f"\nThe picture: plain and accelerated samples of the trained models {', '.join(kinds)} (32x32, "
+          f"{steps} euler steps, seeds {', '.join(map(str, seeds))}), in-process")
+    runs = []
+    print(f"{'model':<6} {'variant':<20} {'mean PSNR':>10} {'calls in INT8':>14}")
+    for kind in kinds:
+        start = time.perf_counter()
+        run = run_family(kind, list(seeds), steps)
+        for variant in VARIANTS[1:]:
+            mean = sum(run.psnr(variant, row) for row in range(len(seeds))) / len(seeds)
+            print(f"{kind:<6} {variant:<20} {show_db(mean):>10} {run.int8_path_calls(variant):>14}")
+        print(f"{kind:<6} all variants sampled in {time.perf_counter() - start:.0f} s (INT8 calibration and "
+              "compilation included)")
+        runs.append(run)
+    path = OUTPUT_DIR / "trained_models.png"
+    demo_picture(runs).save(path, optimize=True)
+    print(f"picture: {path}")
+    return path
 
 
 def _uncached(prompt: dict) -> dict:
