@@ -262,8 +262,13 @@ def test_every_autotuned_kernel_times_its_candidates_briefly(tk, monkeypatch):
         if bench is None:  # Triton 3.0: warmup / rep
             assert (kernel.num_warmups, kernel.num_reps) == (tk.AUTOTUNE_WARMUP_MS, tk.AUTOTUNE_REP_MS)
             continue
-        seen = {}
-        monkeypatch.setattr("triton.testing.do_bench", lambda fn, **options: seen.update(options) or 1.0)
+        seen: dict = {}
+
+        def recorded(fn, seen=seen, **options):
+            seen.update(options)
+            return 1.0
+
+        monkeypatch.setattr("triton.testing.do_bench", recorded)
         assert bench(lambda: None, quantiles=(0.5,)) == 1.0
         assert (seen["warmup"], seen["rep"]) == (tk.AUTOTUNE_WARMUP_MS, tk.AUTOTUNE_REP_MS)
 
