@@ -154,6 +154,7 @@ def test_int8_copies_take_width_and_place_from_the_device_that_computes(comfy_ro
     device as the computing device (its backend, the reference one, takes 8 bits)."""
     from comfyui_int8_accel.kernels import kernel_backend_for, weight_bits
     from comfyui_int8_accel.kernels import policy as kernel_policy
+    from comfyui_int8_accel.nodes.int8 import modules as int8_modules
     from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
 
     monkeypatch.delenv("INT8_ACCEL_WEIGHT_BITS", raising=False)
@@ -165,16 +166,21 @@ def test_int8_copies_take_width_and_place_from_the_device_that_computes(comfy_ro
     builds = []
     quantize_layer = Int8Plan._quantize_layer
 
-    def counted(module, kind, qmax=None):
-        builds.append(module)
-        return quantize_layer(module, kind, qmax)
+    def counted(module, kind, qmax=None, device=None):
+        builds.append((module, device))
+        return quantize_layer(module, kind, qmax, device)
 
     monkeypatch.setattr(Int8Plan, "_quantize_layer", staticmethod(counted))
+    quantized_on = []
+    quantize_weight = int8_modules.quantize_weight_per_channel
+    monkeypatch.setattr(int8_modules, "quantize_weight_per_channel",
+                        lambda weight, qmax: quantized_on.append(weight.device.type) or quantize_weight(weight, qmax))
     try:
         names = list(find_candidates(out.model.diffusion_model))
         first = plan._int8_modules(out.model, names, torch.device("meta"))
         assert len(first) == len(names) == len(builds)
         assert all(layer.qmax == 127 and layer.weight.device.type == "meta" for layer in first.values())
+        assert quantized_on == ["meta"] * len(names)  # quantized where it computes, not in system memory
         again = plan._int8_modules(out.model, names, torch.device("meta"))  # the next call: no requantization
         assert len(builds) == len(names) and all(again[path] is first[path] for path in first)
         on_cpu = plan._int8_modules(out.model, names[:3], torch.device("cpu"))  # computing moved: rebuilt there
@@ -269,8 +275,8 @@ def test_dynamic_vram_prompts_keep_their_int8_copies_until_a_partial_unload(comf
     builds = []
     quantize_layer = Int8Plan._quantize_layer
     monkeypatch.setattr(Int8Plan, "_quantize_layer",
-                        staticmethod(lambda module, kind, qmax=None: builds.append(module) or quantize_layer(
-                            module, kind, qmax)))
+                        staticmethod(lambda module, kind, qmax=None, device=None: builds.append(module) or
+                                     quantize_layer(module, kind, qmax, device)))
 
     def prompt() -> dict[str, torch.nn.Module]:
         def sampling():  # CFGGuider.outer_sample: prepare_sampling loads the model, then the model is called

@@ -52,9 +52,9 @@ def test_multigpu_split_matches_one_device_and_builds_each_copy_once(pack, kind,
     builds: Counter = Counter()
     quantize_layer = plan_module.Int8Plan._quantize_layer
 
-    def counted(module, kind_, qmax=None):
+    def counted(module, kind_, qmax=None, device=None):
         builds[(id(module), threading.current_thread().name)] += 1
-        return quantize_layer(module, kind_, qmax)
+        return quantize_layer(module, kind_, qmax, device)
 
     monkeypatch.setattr(plan_module.Int8Plan, "_quantize_layer", staticmethod(counted))
     swapped_in: dict[int, set[int]] = {}  # diffusion model -> the INT8 copies swapped into it

@@ -180,8 +180,8 @@ def test_speed_gate_keeps_int8_only_where_it_is_faster(comfy_root, quant, monkey
     slow_int8, slow_float = dm.input_blocks[0][0], dm.out[2]  # layers with a call signature of their own
     quantize_layer = Int8Plan._quantize_layer
 
-    def slowed(module, kind, qmax=None):
-        layer = quantize_layer(module, kind, qmax)
+    def slowed(module, kind, qmax=None, device=None):
+        layer = quantize_layer(module, kind, qmax, device)
         if module is slow_int8:
             forward = layer.forward
             layer.forward = lambda x: (time.sleep(0.1), forward(x))[1]

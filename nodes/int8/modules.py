@@ -45,6 +45,16 @@ def effective_weight_and_bias(module: torch.nn.Module) -> tuple[torch.Tensor, to
     return module.weight.detach(), None if module.bias is None else module.bias.detach()
 
 
+def weight_and_bias_on(device: torch.device | None, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`effective_weight_and_bias(module)` moved to `device` (None: left where they are). One layer's float weight
+    at a time: a model ComfyUI keeps in system memory (dynamic VRAM) is quantized on the GPU that computes with it,
+    without a second float copy of the whole model there."""
+    weight, bias = effective_weight_and_bias(module)
+    if device is None:
+        return weight, bias
+    return weight.to(device), None if bias is None else bias.to(device)
+
+
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -200,8 +210,10 @@ class Int8Linear(_Int8Layer):
         self._init_quantized(weight, bias, qmax or weight_qmax(weight.device))
 
     @classmethod
-    def from_float(cls, module: torch.nn.Linear, qmax: int | None = None) -> Int8Linear:
-        return int8_layer_like(module, "linear", *effective_weight_and_bias(module), qmax)
+    def from_float(cls, module: torch.nn.Linear, qmax: int | None = None,
+                   device: torch.device | None = None) -> Int8Linear:
+        """`device`: where to quantize and keep the copy (default: where the float weight is)."""
+        return int8_layer_like(module, "linear", *weight_and_bias_on(device, module), qmax)
 
     def prepare(self) -> None:
         prepare_int8_linear(self.weight, self.weight_scale, self.bias)
@@ -252,8 +264,10 @@ class Int8Conv2d(_Int8Layer):
         self._init_quantized(weight, bias, qmax or weight_qmax(weight.device))
 
     @classmethod
-    def from_float(cls, module: torch.nn.Conv2d, qmax: int | None = None) -> Int8Conv2d:
-        return int8_layer_like(module, "conv", *effective_weight_and_bias(module), qmax)
+    def from_float(cls, module: torch.nn.Conv2d, qmax: int | None = None,
+                   device: torch.device | None = None) -> Int8Conv2d:
+        """`device`: as for `Int8Linear.from_float`."""
+        return int8_layer_like(module, "conv", *weight_and_bias_on(device, module), qmax)
 
     def prepare(self) -> None:
         prepare_int8_conv2d(self.weight, self.weight_scale, self.bias, self.stride, self.padding, self.dilation,

@@ -317,8 +317,9 @@ class Int8Plan:
     def _copy_for_device(self, float_module: torch.nn.Module, kind: str, device: torch.device) -> torch.nn.Module:
         """The INT8 copy of a float layer, with the weight width of the kernel backend that computes on `device`, kept
         on `device` even when ComfyUI keeps the float layer offloaded: derived forms (padded rows, column sums) are
-        then built once, for a copy that stays, instead of per call from a temporary transfer."""
-        layer = self._quantize_layer(float_module, kind, weight_qmax(device))
+        then built once, for a copy that stays, instead of per call from a temporary transfer. Quantized on `device`
+        (a float weight in system memory moves there first, one layer at a time)."""
+        layer = self._quantize_layer(float_module, kind, weight_qmax(device), device)
         if not is_on(layer.weight, device):
             layer = layer.to(device, non_blocking=comfy.model_management.device_supports_non_blocking(device))
         return layer
@@ -402,14 +403,16 @@ class Int8Plan:
         return root
 
     @staticmethod
-    def _quantize_layer(module: torch.nn.Module, kind: str, qmax: int | None = None) -> torch.nn.Module:
+    def _quantize_layer(module: torch.nn.Module, kind: str, qmax: int | None = None,
+                        device: torch.device | None = None) -> torch.nn.Module:
         """The INT8 copy of float layer `module`; `qmax` is the weight width of the device that computes with it
-        (default: the one its weight is on)."""
+        (default: the one its weight is on), `device` where a float layer's weight is quantized (default: where it
+        is; a layer core quantized converts where it is)."""
         with torch.inference_mode(False), torch.no_grad():
             if kind == "conv":
-                return Int8Conv2d.from_float(module, qmax)
+                return Int8Conv2d.from_float(module, qmax, device)
             if core_linear_format(module) is None:
-                return Int8Linear.from_float(module, qmax)
+                return Int8Linear.from_float(module, qmax, device)
             return Int8Linear.from_core(module, qmax)
 
     # --- calibration ---------------------------------------------------------------------------------
