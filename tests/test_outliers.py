@@ -55,3 +55,35 @@ def test_the_error_gate_keeps_the_unet_convolutions_given_outliers_out_of_int8(i
     gated = [name for name, (d, _) in decisions["outliers"].items() if d.startswith("float: error")]
     assert gated, decisions
     assert all(decisions["outliers"][name][1] > 0.1 for name in gated)
+
+
+def test_the_whole_model_guard_returns_the_outlier_layers_of_the_flux_model_to_float(int8_kernels_on_tiny_layers):
+    """On the Flux-family model with 100x channels every layer passes its own error gate at the node defaults
+    (their errors 0.06-0.08, under 0.1), yet together they ruin the picture (about 20 dB before the guard): the
+    whole-model guard measures the model's output error, finds it over its limit and returns the layers with the
+    largest errors to float. On the model as trained it does nothing (no extra forward)."""
+    from harness.psnr import psnr
+
+    int8 = importlib.import_module("comfyui_int8_accel.nodes.int8")
+    settings = int8.QuantizeSettings(compute_density_threshold=0)
+    seen = {}
+    for variant in ("as trained", "outliers"):
+        model = tm.build_trained_model("flux")
+        consumers = []
+        if variant == "outliers":
+            consumers = outliers.add_outliers(model.get_model_object("diffusion_model"), "flux", 100.0)
+        plain = tm.to_image(tm.sample(model, "flux", steps=4)).numpy()
+        quantized = int8.apply_int8(model, settings)[0]
+        in_int8 = tm.to_image(tm.sample(quantized, "flux", steps=4)).numpy()
+        plan = int8.int8_plan(quantized)
+        seen[variant] = (plan.last_result, plan.last_report, psnr(in_int8, plain, peak=1.0), consumers)
+    result, report, picture_db, _ = seen["as trained"]
+    assert not result.model_guard and "whole-model guard" not in report and picture_db > 45
+    result, report, picture_db, consumers = seen["outliers"]
+    guarded = [layer for layer in result.layers if layer.decision == "float: whole-model error guard"]
+    assert guarded and result.model_guard["layers"] == len(guarded), result.model_guard
+    assert all(settings.linear_mse_threshold / 4 < layer.error <= settings.linear_mse_threshold for layer in guarded)
+    assert result.model_guard["error_before"] > result.model_guard["limit"] >= result.model_error
+    assert len(result.chosen) > len(guarded)  # the other layers stay in INT8
+    assert picture_db > 40, picture_db
+    assert "whole-model guard" in report

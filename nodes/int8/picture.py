@@ -25,6 +25,7 @@ DECISIONS = (
     (FLOAT_BY_GATE["kernel size floor"], "kernel size floor", (150, 100, 190)),
     (FLOAT_BY_GATE["speed"], "speed", (240, 150, 30)),
     (FLOAT_BY_GATE["error"], "error", (214, 39, 40)),
+    (FLOAT_BY_GATE["model error"], "whole-model guard", (140, 20, 20)),
     (INT8, "INT8", (30, 150, 60)),
 )
 THRESHOLD_COLOUR = (90, 90, 90)

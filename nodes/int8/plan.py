@@ -41,12 +41,15 @@ from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
 from .calibration import (
     INT8,
+    MODEL_GUARD_ROUNDS,
     CalibrationResult,
     LayerMeasurement,
     bypass_fingerprint,
     calibration_key,
     decide,
+    guard_round,
     linear_gemm_for,
+    model_error_limit,
     model_fingerprint,
 )
 from .core_layers import core_layer_source, core_layers_left, core_linear_format
@@ -507,14 +510,41 @@ class Int8Plan:
         self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
         if chosen:
             # Return the INT8 output, so that the calibrating run gives the same result as every later run.
-            output, result.model_error, result.int8_flop_fraction = self._measure_swapped(
-                executor, base_model, args, kwargs, output, result)
+            output = self._swapped_and_guarded(executor, base_model, args, kwargs, output, result)
         result.seconds = time.perf_counter() - start
         result.memory = {"model_float_bytes": parameter_bytes(root), "calibration_peak_int8_bytes": memory["peak"],
                          "int8_bytes": sum(int8_module_bytes(module) for module in copies.modules.values())}
         self.calibration_runs += 1
         self.results[key] = result
         self._publish(result, base_model, fingerprint, save=True)
+        return output
+
+    def _swapped_and_guarded(self, executor, base_model, args, kwargs, float_output: torch.Tensor,
+                             result: CalibrationResult) -> torch.Tensor:
+        """The calibrating call's output with the chosen layers in INT8, after the whole-model guard (calibration.py)
+        returned layers to float while the whole-model error exceeded its limit; `result` records the error, the
+        FLOP share and what the guard did."""
+        output, result.model_error, result.int8_flop_fraction = self._measure_swapped(
+            executor, base_model, args, kwargs, float_output, result)
+        limit, before, returned = model_error_limit(self.settings), result.model_error, 0
+        for round_number in range(1, MODEL_GUARD_ROUNDS + 1):
+            if result.model_error <= limit:  # a NaN error does not pass
+                break
+            dropped = guard_round(result, self.settings, round_number)
+            if not dropped:
+                continue
+            copies = self.copies_of(base_model)
+            for name in dropped:
+                copies.release(name)
+            self._uncount_dropped(base_model)
+            self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
+            returned += len(dropped)
+            result.model_guard = {"limit": limit, "error_before": before, "rounds": round_number, "layers": returned}
+            if not result.chosen:
+                result.model_error, result.int8_flop_fraction = None, 0.0
+                return float_output
+            output, result.model_error, result.int8_flop_fraction = self._measure_swapped(
+                executor, base_model, args, kwargs, float_output, result)
         return output
 
     def _measure_swapped(self, executor, base_model, args, kwargs, reference: torch.Tensor,

@@ -6,7 +6,7 @@ table whose columns are padded so the server log shows it aligned too."""
 
 from __future__ import annotations
 
-from .calibration import CalibrationResult, LayerMeasurement, decisive_gate
+from .calibration import MODEL_ERROR_SHARE, CalibrationResult, LayerMeasurement, decisive_gate
 from .settings import QuantizeSettings
 
 MIB = 2**20
@@ -32,6 +32,7 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
         f"conv {counts['conv']}/{totals['conv']})",
         f"{100 * result.int8_flop_fraction:.1f}% of the model's FLOPs in INT8",
         _speed_part(result, speedup),
+        *([f"whole-model guard: {result.model_guard['layers']} layers back to float"] if result.model_guard else []),
         "whole-model output norm. MSE " + ("-" if result.model_error is None else f"{result.model_error:.2e}"),
     ]
     if result.memory:
@@ -65,6 +66,14 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
     paragraphs.append(f"weights of the INT8 layers: {float_bytes / MIB:.1f} MiB float -> {int8_bytes / MIB:.1f} MiB "
                       f"INT8 ({(float_bytes - int8_bytes) / MIB:.1f} MiB smaller; the float originals stay loaded so "
                       f"LoRA and float layers keep working)")
+    if result.model_guard:
+        guard = result.model_guard
+        now = "-" if result.model_error is None else f"{result.model_error:.2e}"
+        paragraphs.append(
+            f"whole-model guard: with every layer that passed its own gate in INT8 the model's output error was "
+            f"{guard['error_before']:.2e}, above its limit of {guard['limit']:.2e} ({100 * MODEL_ERROR_SHARE:g}% of the smaller "
+            f"error threshold; activation outliers do this); {guard['layers']} layers with the largest errors went back to "
+            f"float in {guard['rounds']} round(s), and the error is now {now}")
     timed = [layer for layer in result.layers if layer.int8_ms is not None]
     if timed:
         slower = sum(1 for layer in timed if decisive_gate(layer) == "speed" and not layer.quantized)
