@@ -68,7 +68,7 @@ def judge(kind: str, factor: float | None, args, int8, deepcache, tm, outliers) 
     plans = {"INT8 node defaults (error gate 0.1)": int8.QuantizeSettings(compute_density_threshold=0),
              "INT8 error gate 0.01": int8.QuantizeSettings(conv_mse_threshold=0.01, linear_mse_threshold=0.01,
                                                            compute_density_threshold=0),
-             "INT8 every layer (no error gate)": int8.QuantizeSettings(conv_mse_threshold=1.0,
+             "INT8 error gate 1.0 (any layer error)": int8.QuantizeSettings(conv_mse_threshold=1.0,
                                                                         linear_mse_threshold=1.0,
                                                                         compute_density_threshold=0)}
     for name, settings in plans.items():
@@ -82,7 +82,8 @@ def judge(kind: str, factor: float | None, args, int8, deepcache, tm, outliers) 
         cached = run(deepcache.apply_deepcache(quantized, 3, 1, mode=args.mode))
         rows.append(
             f"| {name} | {chosen} of {len(result.layers)} ({result.int8_flop_fraction:.0%} of MACs) | "
-            f"{quantiles(errors['linear'])} | {quantiles(errors['conv'])} | {len(failed)} | "
+            f"{quantiles(errors['linear'])} | {quantiles(errors['conv'])} | {len(failed)} / "
+            f"{result.model_guard.get('layers', 0)} | "
             f"{result.model_error if result.model_error is None else f'{result.model_error:.4f}'} | "
             f"{psnr(pictures(out), pictures(plain), peak=1.0):.2f} dB | "
             f"{psnr(pictures(cached), pictures(plain), peak=1.0):.2f} dB |")
@@ -94,7 +95,8 @@ def judge(kind: str, factor: float | None, args, int8, deepcache, tm, outliers) 
     header += [f"DeepCache alone ({args.mode}, interval 3): {psnr(pictures(alone), pictures(plain), peak=1.0):.2f} "
                "dB.", "",
                "| plan | layers in INT8 | linear layer error (median / p90 / max) | conv layer error (median / p90 "
-               "/ max) | layers kept float by the error gate | whole-model error | PSNR INT8 | PSNR INT8 + "
+               "/ max) | layers kept float by the error gate / the whole-model guard | whole-model error | PSNR INT8 | "
+               "PSNR INT8 + "
                f"DeepCache {args.mode} 3 |",
                "|---|---|---|---|---|---|---|---|", *rows, ""]
     print("\n".join(header), flush=True)
