@@ -81,13 +81,13 @@ def test_report_is_a_summary_line_then_a_table_naming_the_deciding_gate(comfy_ro
     table = rest[-1].splitlines()
     assert table[0].startswith("| layer ") and "decided by" in table[0] and set(table[1]) <= set("|-: ")
     rows = report_table_rows(report)
-    assert len(rows) == len(table) - 2 and all(len(cells) == 9 for cells in rows.values())
-    gates = {cells[7]: cells[8] for cells in rows.values()}
+    assert len(rows) == len(table) - 2 and all(len(cells) == 10 for cells in rows.values())
+    gates = {cells[8]: cells[9] for cells in rows.values()}
     assert gates["kind"] == "float: kind disabled" and gates["density"] == "float: density below threshold"
-    assert any(cells[8] == "int8" for cells in rows.values())
+    assert any(cells[9] == "int8" for cells in rows.values())
     for cells in rows.values():
-        assert (cells[1] == "linear") == (cells[7] == "kind")
-        assert (float(cells[3]) < int(middle)) == (cells[7] == "density") or cells[1] == "linear"
+        assert (cells[1] == "linear") == (cells[8] == "kind")
+        assert (float(cells[3]) < int(middle)) == (cells[8] == "density") or cells[1] == "linear"
 
 
 def _measured(node, model):
@@ -194,10 +194,10 @@ def test_a_layer_below_the_kernel_size_floor_is_reported_float_by_that_gate(comf
     floored = [name for name, layer in layers.items() if layer.below_kernel_floor]
     for name, cells in rows.items():
         if name in floored:
-            assert cells[7] == "kernel size floor" and cells[8] == "float: below the kernel size floor", cells
+            assert cells[8] == "kernel size floor" and cells[9] == "float: below the kernel size floor", cells
             assert cells[4] != "-"  # its error is measured (of the INT8 arithmetic): a file may hold it in INT8
         else:
-            assert cells[1] == "conv" and cells[7] == "all passed" and cells[8] == "int8", cells
+            assert cells[1] == "conv" and cells[8] == "all passed" and cells[9] == "int8", cells
     summary = report.split("\n\n")[0]
     assert f"linear 0/{len(linears)}" in summary and f"{len(layers) - len(floored)}/{len(layers)} layers" in summary
     assert int8_calls > 0
@@ -244,6 +244,38 @@ def test_summary_says_when_the_speed_gate_kept_every_layer_float():
                                 layers=[layer("a", "int8", False)])
     assert "INT8 layers not timed (speed gate off, or no layer reached it)" in format_report(
         untimed, QuantizeSettings(), {}).split("\n\n")[0]
+
+
+def test_the_report_says_which_timings_other_work_disturbed():
+    """Per layer, the timing column gives the speed gate's sample pairs and how they went; the speed gate line counts
+    the layers re-measured and those left noisy, which it tells a person not to trust."""
+    from comfyui_int8_accel.nodes.int8.calibration import SLOWER_IN_INT8, LayerMeasurement
+
+    def layer(name: str, decision: str, pairs: int, conditions: str) -> LayerMeasurement:
+        return LayerMeasurement(name=name, kind="linear", weight_shape=[640, 640], m=1024, k=640, n=640,
+                                density=244.0, error=1e-4, decision=decision, float_ms=2.2, int8_ms=1.2,
+                                timing_pairs=pairs, timing_conditions=conditions)
+
+    result = CalibrationResult(key="k", shape=[1, 16, 32, 32], kernel_backend="cpu", layers=[
+        layer("settled", "int8", 3, "settled"), layer("waited", "int8", 9, "re-measured"),
+        layer("noisy", SLOWER_IN_INT8, 30, "noisy"), layer("cuda", "int8", 3, ""),
+        LayerMeasurement(name="untimed", kind="linear", weight_shape=[8, 8], m=1, k=8, n=8, density=1.0, error=None,
+                         decision="float: density below threshold")])
+    report = format_report(result, QuantizeSettings(), {})
+    rows = report_table_rows(report)
+    assert {name: cells[7] for name, cells in rows.items()} == {
+        "settled": "settled, 3 pairs", "waited": "re-measured, 9 pairs", "noisy": "noisy, 30 pairs",
+        "cuda": "3 pairs", "untimed": "-"}
+
+    def speed_line(result: CalibrationResult) -> str:
+        return next(part for part in format_report(result, QuantizeSettings(), {}).split("\n\n")
+                    if part.startswith("speed gate:"))
+
+    assert "1 re-measured, as other work on the machine disturbed their first samples" in speed_line(result)
+    assert "1 noisy, " in speed_line(result) and "may not hold on a quiet machine" in speed_line(result)
+    quiet = CalibrationResult(key="k", shape=[1, 16, 32, 32], kernel_backend="cpu",
+                              layers=[layer("settled", "int8", 3, "settled")])
+    assert "re-measured" not in speed_line(quiet) and "noisy" not in speed_line(quiet)
 
 
 def test_a_decision_timed_on_one_linear_gemm_is_not_reused_for_the_other(monkeypatch):

@@ -15,8 +15,11 @@ from ...kernels import content_checksum, kernel_backend_for, weight_bits
 from ...kernels.triton_backend import linear_gemm
 from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
+from .speed import Timing
 
-CACHE_FORMAT_VERSION = 7  # 5: the error gate before the kernel size floor; 7: the whole-model guard
+# 5: the error gate before the kernel size floor; 7: the whole-model guard; 8: CPU timings are the fastest sample,
+# re-measured while other work disturbed them (decisions from disturbed medians are not reused)
+CACHE_FORMAT_VERSION = 8
 _SAMPLE_WORDS = 256
 
 INT8 = "int8"
@@ -44,6 +47,8 @@ class LayerMeasurement:
     decision: str = ""
     float_ms: float | None = None  # the speed gate's timings of this layer's call (None: not timed)
     int8_ms: float | None = None
+    timing_pairs: int = 0  # float/INT8 sample pairs the speed gate took (0: not timed)
+    timing_conditions: str = ""  # speed.SETTLED, REMEASURED or NOISY ("": not timed, or a device that does not check)
     source: str = ""  # a core-quantized layer's format and how its INT8 weights were made ("": a float layer)
     # The kernel backend serving the calibration's device computes this layer's call in float at the calibration
     # shape (below its size floor), with the dequantized weight: INT8 would change the result and save nothing.
@@ -140,14 +145,14 @@ def guard_round(result: CalibrationResult, settings: QuantizeSettings, round_num
 
 
 def decide(layer: LayerMeasurement, settings: QuantizeSettings, measure_error: Callable[[], float],
-           time_calls: Callable[[], tuple[float, float] | None]) -> str:
+           time_calls: Callable[[], Timing | None]) -> str:
     """Whether `layer` runs in INT8: the one decision, made once per layer at calibration, recorded in
     `layer.decision` and returned. INT8, or float named by the first gate it fails, in this order: kind (enabled
     in `settings`), density (at least the threshold), error (the INT8 copy's normalized error, from
     `measure_error()`, at most the kind's threshold; for a layer below the kernel size floor, the error of the INT8
     arithmetic a device without the floor runs), kernel size floor (`layer.below_kernel_floor`), speed
-    (`time_calls()`: (float ms, int8 ms) of the layer's call, or None when the speed gate is off; INT8 must be
-    faster). A layer that passes kind, density and error is accurate enough for a file (`within_thresholds`)
+    (`time_calls()`: the timing of the layer's float and INT8 calls, or None when the speed gate is off; INT8 must
+    be faster). A layer that passes kind, density and error is accurate enough for a file (`within_thresholds`)
     whatever the floor and the speed gate say about this device.
 
     The error and the timings cost a forward of the layer's INT8 copy and several timed calls, so they are
@@ -157,7 +162,7 @@ def decide(layer: LayerMeasurement, settings: QuantizeSettings, measure_error: C
 
 
 def _first_failed_gate(layer: LayerMeasurement, settings: QuantizeSettings, measure_error: Callable[[], float],
-                       time_calls: Callable[[], tuple[float, float] | None]) -> str:
+                       time_calls: Callable[[], Timing | None]) -> str:
     if not settings.kind_enabled(layer.kind):
         return FLOAT_BY_GATE["kind"]
     if layer.density < settings.compute_density_threshold:
@@ -167,10 +172,11 @@ def _first_failed_gate(layer: LayerMeasurement, settings: QuantizeSettings, meas
         return FLOAT_BY_GATE["error"]
     if layer.below_kernel_floor:
         return FLOAT_BY_GATE["kernel size floor"]
-    timings = time_calls()
-    if timings is not None:
-        layer.float_ms, layer.int8_ms = timings
-        if layer.int8_ms >= layer.float_ms:
+    timing = time_calls()
+    if timing is not None:
+        layer.float_ms, layer.int8_ms = 1e3 * timing.float_seconds, 1e3 * timing.int8_seconds
+        layer.timing_pairs, layer.timing_conditions = timing.pairs, timing.conditions
+        if not timing.int8_faster:
             return FLOAT_BY_GATE["speed"]
     return INT8
 

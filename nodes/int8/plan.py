@@ -61,7 +61,7 @@ from .picture import decision_picture
 from .report import format_report, summary_line
 from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
 from .settings import QuantizeSettings
-from .speed import call_signature, time_float_and_int8
+from .speed import Timing, call_signature, time_float_and_int8
 
 log = logging.getLogger("int8_accel.int8")
 WRAPPER_KEY = "int8_accel_quantize"
@@ -471,14 +471,14 @@ class Int8Plan:
                         return normalized_mse(int8_reference_forward(layer, x), reference)
                     return normalized_mse(type(layer).forward(layer, x), reference)
 
-                def time_calls() -> tuple[float, float] | None:
+                def time_calls() -> Timing | None:
                     if not gate:
                         return None
                     signature = call_signature(kind, module, x)
                     if signature not in timings:  # module.forward: calling the module would re-enter this hook
                         timings[signature] = time_float_and_int8(lambda: module.forward(x), lambda: int8_copy[0](x),
                                                                  x.device)
-                    return 1e3 * timings[signature].float_seconds, 1e3 * timings[signature].int8_seconds
+                    return timings[signature]
 
                 # One layer at a time: a layer is quantized only when it reaches the error gate, and its INT8
                 # copy is kept only when it runs in INT8.

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from .calibration import MODEL_ERROR_SHARE, CalibrationResult, LayerMeasurement, decisive_gate
 from .settings import QuantizeSettings
+from .speed import NOISY, REMEASURED
 
 MIB = 2**20
-TABLE_COLUMNS = ("layer", "kind", "shape", "density", "norm. MSE", "float ms", "int8 ms", "decided by", "decision")
+TABLE_COLUMNS = ("layer", "kind", "shape", "density", "norm. MSE", "float ms", "int8 ms", "timing", "decided by",
+                 "decision")
 RIGHT_ALIGNED = {"density", "norm. MSE", "float ms", "int8 ms"}
 
 
@@ -83,7 +85,7 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         paragraphs.append(
             f"speed gate: {len(timed)} layers timed on {result.kernel_backend or 'this device'}, {slower} stay float "
             f"as slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of {kept_float:.1f} ms in float "
-            f"({'-' if speedup is None else f'{speedup:.2f}x'})")
+            f"({'-' if speedup is None else f'{speedup:.2f}x'})" + _disturbed_timings(timed))
     if result.memory:
         mib = {name: value / MIB for name, value in result.memory.items()}
         paragraphs.append(
@@ -105,6 +107,20 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         paragraphs.append("left to ComfyUI core: " + "; ".join(f"{name} ({why})"
                                                                for name, why in result.left_to_core.items()))
     return "\n\n".join(paragraphs)
+
+
+def _disturbed_timings(timed: list[LayerMeasurement]) -> str:
+    """What other work on the machine did to the timings: layers re-measured, and layers whose decision rests on
+    disturbed samples."""
+    remeasured = sum(1 for layer in timed if layer.timing_conditions == REMEASURED)
+    noisy = sum(1 for layer in timed if layer.timing_conditions == NOISY)
+    parts = []
+    if remeasured:
+        parts.append(f"{remeasured} re-measured, as other work on the machine disturbed their first samples")
+    if noisy:
+        parts.append(f"{noisy} noisy, as other work on the machine still disturbed their samples when the gate's "
+                     f"bound ran out: their decision may not hold on a quiet machine")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _core_formats_line(result: CalibrationResult) -> str:
@@ -130,8 +146,10 @@ def _details_line(result: CalibrationResult, settings: QuantizeSettings) -> str:
             f"('density'), the kernel backend ({result.kernel_backend or 'unknown'}) computes its call at this latent "
             f"size in INT8, not in float below its size floor ('kernel size floor'), its norm. MSE = "
             f"mean((y_int8 - y)^2) / mean(y^2) is at most {settings.conv_mse_threshold:g} (conv) / {settings.linear_mse_threshold:g} (linear) ('error')"
-            + (" and its INT8 call is faster than its float call ('speed'; float/int8 ms: the speed gate's median "
-               "times)." if timed else "; no layer was timed (speed gate off, or no layer reached it)."))
+            + (" and its INT8 call is faster than its float call ('speed'; float/int8 ms: the speed gate's times, "
+               "the fastest sample on the CPU and the median on CUDA; timing: its sample pairs, and whether other "
+               "work on the machine made it re-measure them or left them noisy)." if timed
+               else "; no layer was timed (speed gate off, or no layer reached it)."))
 
 
 def _table_row(layer: LayerMeasurement) -> tuple[str, ...]:
@@ -140,7 +158,15 @@ def _table_row(layer: LayerMeasurement) -> tuple[str, ...]:
 
     return (layer.name, layer.kind, "x".join(str(d) for d in layer.weight_shape), f"{layer.density:.1f}",
             "-" if layer.error is None else f"{layer.error:.2e}", ms(layer.float_ms), ms(layer.int8_ms),
-            decisive_gate(layer), layer.decision + (f" [core {layer.source}]" if layer.source else ""))
+            _timing_cell(layer), decisive_gate(layer),
+            layer.decision + (f" [core {layer.source}]" if layer.source else ""))
+
+
+def _timing_cell(layer: LayerMeasurement) -> str:
+    if not layer.timing_pairs:
+        return "-"
+    pairs = f"{layer.timing_pairs} pairs"
+    return f"{layer.timing_conditions}, {pairs}" if layer.timing_conditions else pairs
 
 
 def layer_table(layers: list[LayerMeasurement]) -> str:

@@ -2,30 +2,48 @@
 call, on the real input, on the device that runs it.
 
 Layers with the same call signature (kind, input shape and dtype, weight shape, conv geometry) share one
-measurement, so a UNet's many same-shaped layers are timed once per calibration. The CPU times one synchronized
-call per sample with the host clock; CUDA times several back-to-back calls between CUDA events after a warm-up
-(`timing_plan`), as sampling queues them. `INT8_ACCEL_SPEED_GATE=0`
-turns the gate off (the other gates alone decide), for reproducible layer choices.
+measurement, so a UNet's many same-shaped layers are timed once per calibration. CUDA times several back-to-back
+calls between CUDA events after a warm-up, as sampling queues them, and takes the median of its samples
+(`timing_plan`). The CPU times one synchronized call per sample with the host clock and takes the fastest sample
+of each side: other work on the machine only ever makes a sample slower, and on a shared CPU it makes an INT8 call
+(several parallel regions, each stalled by a preempted worker) far slower than a float one. While the slower
+side's fastest sample was itself disturbed (this process's threads waited for a CPU during it, `run_queue`), more
+pairs are timed, within a bound; the timing says whether it was re-measured or stayed noisy.
+`INT8_ACCEL_SPEED_GATE=0` turns the gate off (the other gates alone decide), for reproducible layer choices.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ..comfy_contracts import patches_in_forward
+from .run_queue import RunQueueWait
 
 REPETITIONS = 3
 # On CUDA: calls of each kind run before timing (autotuning, allocator growth), and calls timed back to back per
 # sample, as sampling launches them (one synchronized call would charge INT8's extra launches to it in full).
 CUDA_WARMUP_CALLS = 2
 CUDA_CALLS_PER_SAMPLE = 5
+# On the CPU, while the slower side's fastest sample is disturbed: more pairs, up to this many in all, while the
+# timing of the call has taken less than this long (a short spell of other work passes; a long one leaves the
+# timing noisy).
+CPU_MAX_PAIRS = 30
+CPU_MAX_SECONDS = 1.0
+# A sample is disturbed when this process's threads waited for a CPU for more than this share of it (on a quiet
+# machine they wait not at all).
+DISTURBED_SHARE = 0.05
+# Where the OS does not say how long the threads waited: the fastest sample counts once another sample of the
+# same side comes within this share of it.
+CONFIRMED_SHARE = 0.1
 
-
+# How a timing's samples went (`Timing.conditions`); "" where the plan does not check.
+SETTLED, REMEASURED, NOISY = "settled", "re-measured", "noisy"
 
 
 def _synchronize(device: torch.device) -> None:
@@ -76,18 +94,31 @@ def cuda_event_clock(device: torch.device) -> Clock:
 
 
 @dataclass(frozen=True)
+class Remeasuring:
+    """Pairs added after the first ones while the slower side's fastest sample was disturbed (`run_queue` says how
+    long this process's threads waited for a CPU), up to `max_pairs` in all and while the timing took less than
+    `max_seconds`."""
+    run_queue: Callable[[], RunQueueWait]
+    max_pairs: int
+    max_seconds: float
+
+
+@dataclass(frozen=True)
 class TimingPlan:
     clock: Clock
     warmup_calls: int  # per call, before the first sample
     calls_per_sample: int  # back to back; a sample is their mean
+    estimate: Callable[[Sequence[float]], float] = statistics.median  # a side's seconds per call, from its samples
+    remeasuring: Remeasuring | None = None  # None: the pairs asked for, whatever they measured
 
 
 def timing_plan(device: torch.device) -> TimingPlan:
-    """CUDA: events around several back-to-back calls after a warm-up; elsewhere one synchronized call per sample
-    (callers have run both calls once)."""
+    """CUDA: events around several back-to-back calls after a warm-up, the median sample; elsewhere one
+    synchronized call per sample and the fastest sample, re-measured while disturbed (callers have run both calls
+    once)."""
     if device.type == "cuda":
         return TimingPlan(cuda_event_clock(device), CUDA_WARMUP_CALLS, CUDA_CALLS_PER_SAMPLE)
-    return TimingPlan(wall_clock(device), 0, 1)
+    return TimingPlan(wall_clock(device), 0, 1, min, Remeasuring(RunQueueWait, CPU_MAX_PAIRS, CPU_MAX_SECONDS))
 
 
 def seconds_per_call(call: Callable[[], object], clock: Clock, calls: int) -> float:
@@ -98,9 +129,43 @@ def seconds_per_call(call: Callable[[], object], clock: Clock, calls: int) -> fl
 
 
 @dataclass(frozen=True)
+class Sample:
+    seconds: float  # per call
+    disturbed: bool | None  # this process's threads waited for a CPU during it; None: the OS does not say
+
+
+def _sample(call: Callable[[], object], plan: TimingPlan, run_queue: RunQueueWait | None) -> Sample:
+    waited = None if run_queue is None else run_queue.seconds()
+    seconds = seconds_per_call(call, plan.clock, plan.calls_per_sample)
+    waited_after = None if run_queue is None else run_queue.seconds()
+    if waited is None or waited_after is None:
+        return Sample(seconds, None)
+    return Sample(seconds, waited_after - waited > DISTURBED_SHARE * seconds * plan.calls_per_sample)
+
+
+def fastest_is_undisturbed(samples: Sequence[Sample]) -> bool:
+    """Whether a side's fastest sample measured the call and not other work: its threads never waited for a CPU
+    or, where the OS does not say, another sample confirms it."""
+    fastest = min(samples, key=lambda sample: sample.seconds)
+    if fastest.disturbed is not None:
+        return not fastest.disturbed
+    return sum(sample.seconds <= fastest.seconds * (1 + CONFIRMED_SHARE) for sample in samples) >= 2
+
+
+def decision_is_settled(float_samples: Sequence[Sample], int8_samples: Sequence[Sample]) -> bool:
+    """Whether the samples decide which call is faster: the slower side's fastest sample is undisturbed. The
+    faster side's may be disturbed, as disturbance only ever adds time."""
+    float_fastest = min(sample.seconds for sample in float_samples)
+    int8_fastest = min(sample.seconds for sample in int8_samples)
+    return fastest_is_undisturbed(float_samples if float_fastest > int8_fastest else int8_samples)
+
+
+@dataclass(frozen=True)
 class Timing:
     float_seconds: float
     int8_seconds: float
+    pairs: int = REPETITIONS  # float/INT8 sample pairs taken
+    conditions: str = ""  # SETTLED (by the first pairs), REMEASURED or NOISY; "" where the plan does not check
 
     @property
     def int8_faster(self) -> bool:
@@ -120,15 +185,33 @@ def call_signature(kind: str, module: torch.nn.Module, x: torch.Tensor) -> tuple
 def time_float_and_int8(float_call: Callable[[], object], int8_call: Callable[[], object],
                         device: torch.device, repetitions: int = REPETITIONS,
                         plan: TimingPlan | None = None) -> Timing:
-    """Median seconds per call of each, sampled interleaved so that a slow spell of the machine hits both alike,
-    with `plan` (default: `timing_plan(device)`). Both calls must have run once before (warm caches, prepacked
-    weights, compiled kernels)."""
+    """Seconds per call of each, from `repetitions` pairs of samples (more where `plan` re-measures a disturbed
+    side), sampled interleaved so that a slow spell of the machine hits both alike, with `plan` (default:
+    `timing_plan(device)`). Both calls must have run once before (warm caches, prepacked weights, compiled
+    kernels)."""
     plan = plan or timing_plan(torch.device(device))
     for call in (float_call, int8_call):
         for _ in range(plan.warmup_calls):
             call()
-    float_times, int8_times = [], []
-    for _ in range(repetitions):
-        float_times.append(seconds_per_call(float_call, plan.clock, plan.calls_per_sample))
-        int8_times.append(seconds_per_call(int8_call, plan.clock, plan.calls_per_sample))
-    return Timing(statistics.median(float_times), statistics.median(int8_times))
+    sides: tuple[list[Sample], list[Sample]] = ([], [])
+    remeasuring = plan.remeasuring
+    with remeasuring.run_queue() if remeasuring else nullcontext() as run_queue:
+        start = plan.clock.start() if remeasuring else None
+        while True:
+            for call, samples in zip((float_call, int8_call), sides, strict=True):
+                samples.append(_sample(call, plan, run_queue))
+            pairs = len(sides[0])
+            if pairs >= repetitions and (remeasuring is None or decision_is_settled(*sides)
+                                         or pairs >= remeasuring.max_pairs
+                                         or plan.clock.seconds_since(start) >= remeasuring.max_seconds):
+                break
+    return Timing(*(plan.estimate([sample.seconds for sample in samples]) for samples in sides), pairs,
+                  _conditions(plan, sides, repetitions))
+
+
+def _conditions(plan: TimingPlan, sides: Sequence[Sequence[Sample]], repetitions: int) -> str:
+    if plan.remeasuring is None:
+        return ""
+    if not decision_is_settled(*sides):
+        return NOISY
+    return SETTLED if len(sides[0]) == repetitions else REMEASURED
