@@ -210,6 +210,27 @@ def test_speed_gate_keeps_int8_only_where_it_is_faster(comfy_root, quant, monkey
     assert all(layer.float_ms is None and layer.decision == "int8" for layer in plan_of(off).last_result.layers)
 
 
+def test_a_decision_from_noisy_timings_is_not_reused_from_disk(comfy_root, quant, monkeypatch):
+    """A calibration whose speed gate timings other work disturbed to the end of their bound holds for the session
+    that made it; a new node instance (or a restart) calibrates again instead of reading it from disk (a settled
+    one is read from disk: test_calibration_cache_skips_second_run_and_recalibrates_on_change)."""
+    from comfyui_int8_accel.nodes.int8 import plan as plan_module
+    from comfyui_int8_accel.nodes.int8.speed import NOISY, Timing
+
+    monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "1")
+    monkeypatch.setattr(plan_module, "time_float_and_int8",
+                        lambda *args, **kwargs: Timing(2.0, 1.0, pairs=30, conditions=NOISY))
+    model = build_tiny_model("sd15")
+    settings = dict(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    out, _ = quantize(quant, model, **settings)
+    sample(out, "sd15")
+    sample(out, "sd15")
+    assert plan_of(out).calibration_runs == 1 and plan_of(out).last_result.noisy_timings  # kept for the session
+    fresh, _ = quantize(quant, model, **settings)
+    sample(fresh, "sd15")
+    assert (plan_of(fresh).calibration_runs, plan_of(fresh).disk_hits) == (1, 0)
+
+
 def test_unloading_the_model_drops_its_int8_modules(comfy_root, quant):
     model = build_tiny_model("sd15")
     out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)

@@ -15,7 +15,7 @@ from ...kernels import content_checksum, kernel_backend_for, weight_bits
 from ...kernels.triton_backend import linear_gemm
 from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
-from .speed import Timing
+from .speed import NOISY, Timing
 
 # 5: the error gate before the kernel size floor; 7: the whole-model guard; 8: CPU timings are the fastest sample,
 # re-measured while other work disturbed them (decisions from disturbed medians are not reused)
@@ -87,6 +87,12 @@ class CalibrationResult:
     weight_bits: int = 0  # width of the INT8 weights (8, or 7 on CPUs without VNNI); 0: not recorded
     linear_gemm: str = ""  # the triton kernel backend's Linear GEMM ("fused" / "int-mm"); "" for the others
     model_guard: dict = field(default_factory=dict)  # when the whole-model guard acted: limit, error_before, rounds
+
+    @property
+    def noisy_timings(self) -> bool:
+        """Other work on the machine disturbed some layer's speed gate timing to the end of its bound: a decision
+        to use in this session, not to reuse from disk in a later one."""
+        return any(layer.timing_conditions == NOISY for layer in self.layers)
 
     @property
     def chosen(self) -> list[str]:

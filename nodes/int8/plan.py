@@ -269,6 +269,8 @@ class Int8Plan:
         result = self.results.get(key)
         if result is None:
             result = load_result(key)
+            if result is not None and result.noisy_timings:  # timed on a busy machine: time it again now
+                result = None
             if result is not None:
                 self.disk_hits += 1
                 self.results[key] = result

@@ -119,7 +119,8 @@ def _disturbed_timings(timed: list[LayerMeasurement]) -> str:
         parts.append(f"{remeasured} re-measured, as other work on the machine disturbed their first samples")
     if noisy:
         parts.append(f"{noisy} noisy, as other work on the machine still disturbed their samples when the gate's "
-                     f"bound ran out: their decision may not hold on a quiet machine")
+                     f"bound ran out: their decision may not hold on a quiet machine, so it is kept for this session "
+                     f"only and the next one calibrates again")
     return "; " + "; ".join(parts) if parts else ""
 
 
