@@ -218,17 +218,26 @@ def test_a_decision_from_noisy_timings_is_not_reused_from_disk(comfy_root, quant
     from comfyui_int8_accel.nodes.int8.speed import NOISY, Timing
 
     monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "1")
-    monkeypatch.setattr(plan_module, "time_float_and_int8",
-                        lambda *args, **kwargs: Timing(2.0, 1.0, pairs=30, conditions=NOISY))
+    budgets = []  # the re-measuring budget each timing was given
+
+    def noisy_timing(*args, budget, **kwargs) -> Timing:
+        budgets.append(budget)
+        return Timing(2.0, 1.0, pairs=30, conditions=NOISY)
+
+    monkeypatch.setattr(plan_module, "time_float_and_int8", noisy_timing)
     model = build_tiny_model("sd15")
     settings = dict(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
     out, _ = quantize(quant, model, **settings)
     sample(out, "sd15")
     sample(out, "sd15")
     assert plan_of(out).calibration_runs == 1 and plan_of(out).last_result.noisy_timings  # kept for the session
+    first_calibration = len(budgets)
     fresh, _ = quantize(quant, model, **settings)
     sample(fresh, "sd15")
     assert (plan_of(fresh).calibration_runs, plan_of(fresh).disk_hits) == (1, 0)
+    # one budget per calibration, shared by its timings
+    assert len({id(budget) for budget in budgets[:first_calibration]}) == 1 and first_calibration > 1
+    assert budgets[-1] is not budgets[0] and len({id(budget) for budget in budgets[first_calibration:]}) == 1
 
 
 def test_unloading_the_model_drops_its_int8_modules(comfy_root, quant):

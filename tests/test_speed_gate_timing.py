@@ -74,11 +74,10 @@ class VirtualMachine:
 
         return run
 
-    def cpu_plan(self, speed, max_pairs: int | None = None, max_seconds: float | None = None):
+    def cpu_plan(self, speed, max_seconds: float | None = None):
         """The CPU plan, on this machine's clock and run queue."""
         plan = speed.timing_plan(torch.device("cpu"))
-        remeasuring = speed.Remeasuring(lambda: self, max_pairs or plan.remeasuring.max_pairs,
-                                        max_seconds or plan.remeasuring.max_seconds)
+        remeasuring = speed.Remeasuring(lambda: self, max_seconds or plan.remeasuring.max_seconds)
         clock = speed.Clock(lambda: self.now, lambda mark: self.now - mark)
         return speed.TimingPlan(clock, plan.warmup_calls, plan.calls_per_sample, plan.estimate, remeasuring)
 
@@ -115,15 +114,25 @@ def test_the_faster_side_may_stay_disturbed(speed):
     assert timing.int8_faster and (timing.pairs, timing.conditions) == (3, speed.SETTLED)
 
 
-@pytest.mark.parametrize("bound", ["pairs", "seconds"])
-def test_a_timing_disturbed_throughout_stops_at_its_bound_and_says_noisy(speed, bound):
+def test_a_timing_disturbed_throughout_stops_at_its_bound_and_says_noisy(speed):
     vm = VirtualMachine()
-    plan = vm.cpu_plan(speed, max_pairs=5) if bound == "pairs" else vm.cpu_plan(speed, max_seconds=0.1)
-    timing = speed.time_float_and_int8(vm.call("float", [(0.01, 0.005)]), vm.call("int8", [(0.02, 0.01)]), "cpu",
-                                       plan=plan)
+    busy = vm.call("float", [(0.01, 0.005)]), vm.call("int8", [(0.02, 0.01)])
+    timing = speed.time_float_and_int8(*busy, "cpu", plan=vm.cpu_plan(speed, max_seconds=0.1))
     assert timing.conditions == speed.NOISY and not timing.int8_faster
-    assert timing.pairs == (5 if bound == "pairs" else 4)  # the 4th pair of 30 ms passes 0.1 s
-    assert len(vm.log) == 2 * timing.pairs
+    assert timing.pairs == 3 + 4 and len(vm.log) == 2 * timing.pairs  # the 4th added pair of 30 ms passes 0.1 s
+
+
+def test_a_calibration_re_measures_for_a_bounded_time_in_all(speed):
+    """The budget is the calibration's: a load that outlasts it leaves the later timings noisy after their first
+    pairs instead of making every one wait for it."""
+    vm = VirtualMachine()
+    busy = vm.call("float", [(0.01, 0.005)]), vm.call("int8", [(0.02, 0.01)])
+    budget = speed.RemeasureBudget(0.05)
+    first = speed.time_float_and_int8(*busy, "cpu", plan=vm.cpu_plan(speed), budget=budget)
+    second = speed.time_float_and_int8(*busy, "cpu", plan=vm.cpu_plan(speed), budget=budget)
+    assert (first.pairs, first.conditions) == (3 + 2, speed.NOISY)  # 2 added pairs of 30 ms pass 0.05 s
+    assert (second.pairs, second.conditions) == (3, speed.NOISY) and budget.seconds_left < 0
+    assert speed.RemeasureBudget().seconds_left == speed.CPU_REMEASURE_SECONDS_PER_CALIBRATION
 
 
 def test_where_the_os_does_not_say_a_second_close_sample_confirms_the_fastest(speed):

@@ -61,7 +61,7 @@ from .picture import decision_picture
 from .report import format_report, summary_line
 from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
 from .settings import QuantizeSettings
-from .speed import Timing, call_signature, time_float_and_int8
+from .speed import RemeasureBudget, Timing, call_signature, time_float_and_int8
 
 log = logging.getLogger("int8_accel.int8")
 WRAPPER_KEY = "int8_accel_quantize"
@@ -448,7 +448,7 @@ class Int8Plan:
         candidates = find_candidates(root)
         measurements: dict[str, LayerMeasurement] = {}
         memory = {"kept": 0, "peak": 0}
-        gate, timings = speed_gate_enabled(), {}
+        gate, timings, remeasure_budget = speed_gate_enabled(), {}, RemeasureBudget()
         progress = comfy.utils.ProgressBar(len(candidates))
         log.info("int8-accel: calibrating %d layers on the first step (latent %s)", len(candidates),
                  list(args[0].shape))
@@ -479,7 +479,7 @@ class Int8Plan:
                     signature = call_signature(kind, module, x)
                     if signature not in timings:  # module.forward: calling the module would re-enter this hook
                         timings[signature] = time_float_and_int8(lambda: module.forward(x), lambda: int8_copy[0](x),
-                                                                 x.device)
+                                                                 x.device, budget=remeasure_budget)
                     return timings[signature]
 
                 # One layer at a time: a layer is quantized only when it reaches the error gate, and its INT8

@@ -14,10 +14,10 @@ pairs are timed, within a bound; the timing says whether it was re-measured or s
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +30,11 @@ REPETITIONS = 3
 # sample, as sampling launches them (one synchronized call would charge INT8's extra launches to it in full).
 CUDA_WARMUP_CALLS = 2
 CUDA_CALLS_PER_SAMPLE = 5
-# On the CPU, while the slower side's fastest sample is disturbed: more pairs, up to this many in all, while the
-# timing of the call has taken less than this long (a short spell of other work passes; a long one leaves the
-# timing noisy).
-CPU_MAX_PAIRS = 30
-CPU_MAX_SECONDS = 1.0
+# On the CPU, while the slower side's fastest sample is disturbed: more pairs, for at most this long per call
+# signature and this long in all per calibration (a short spell of other work passes; a load that outlasts these
+# leaves the timings noisy rather than the calibration slow).
+CPU_REMEASURE_SECONDS = 1.0
+CPU_REMEASURE_SECONDS_PER_CALIBRATION = 5.0
 # A sample is disturbed when this process's threads waited for a CPU for more than this share of it (on a quiet
 # machine they wait not at all).
 DISTURBED_SHARE = 0.05
@@ -96,11 +96,16 @@ def cuda_event_clock(device: torch.device) -> Clock:
 @dataclass(frozen=True)
 class Remeasuring:
     """Pairs added after the first ones while the slower side's fastest sample was disturbed (`run_queue` says how
-    long this process's threads waited for a CPU), up to `max_pairs` in all and while the timing took less than
-    `max_seconds`."""
+    long this process's threads waited for a CPU), for at most `max_seconds`."""
     run_queue: Callable[[], RunQueueWait]
-    max_pairs: int
     max_seconds: float
+
+
+class RemeasureBudget:
+    """The seconds of re-measuring left to one calibration, spent by its timings in turn."""
+
+    def __init__(self, seconds: float = CPU_REMEASURE_SECONDS_PER_CALIBRATION) -> None:
+        self.seconds_left = seconds
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ def timing_plan(device: torch.device) -> TimingPlan:
     once)."""
     if device.type == "cuda":
         return TimingPlan(cuda_event_clock(device), CUDA_WARMUP_CALLS, CUDA_CALLS_PER_SAMPLE)
-    return TimingPlan(wall_clock(device), 0, 1, min, Remeasuring(RunQueueWait, CPU_MAX_PAIRS, CPU_MAX_SECONDS))
+    return TimingPlan(wall_clock(device), 0, 1, min, Remeasuring(RunQueueWait, CPU_REMEASURE_SECONDS))
 
 
 def seconds_per_call(call: Callable[[], object], clock: Clock, calls: int) -> float:
@@ -184,34 +189,41 @@ def call_signature(kind: str, module: torch.nn.Module, x: torch.Tensor) -> tuple
 
 def time_float_and_int8(float_call: Callable[[], object], int8_call: Callable[[], object],
                         device: torch.device, repetitions: int = REPETITIONS,
-                        plan: TimingPlan | None = None) -> Timing:
-    """Seconds per call of each, from `repetitions` pairs of samples (more where `plan` re-measures a disturbed
-    side), sampled interleaved so that a slow spell of the machine hits both alike, with `plan` (default:
-    `timing_plan(device)`). Both calls must have run once before (warm caches, prepacked weights, compiled
-    kernels)."""
+                        plan: TimingPlan | None = None, budget: RemeasureBudget | None = None) -> Timing:
+    """Seconds per call of each, from `repetitions` pairs of samples, sampled interleaved so that a slow spell of
+    the machine hits both alike, with `plan` (default: `timing_plan(device)`); more pairs where the plan re-measures
+    a disturbed timing, within its bound and what is left of `budget` (the calibration's; None: no limit but the
+    plan's). Both calls must have run once before (warm caches, prepacked weights, compiled kernels)."""
     plan = plan or timing_plan(torch.device(device))
     for call in (float_call, int8_call):
         for _ in range(plan.warmup_calls):
             call()
     sides: tuple[list[Sample], list[Sample]] = ([], [])
+
+    def take_pair(run_queue: RunQueueWait | None) -> None:
+        for call, samples in zip((float_call, int8_call), sides, strict=True):
+            samples.append(_sample(call, plan, run_queue))
+
     remeasuring = plan.remeasuring
-    with remeasuring.run_queue() if remeasuring else nullcontext() as run_queue:
-        start = plan.clock.start() if remeasuring else None
-        while True:
-            for call, samples in zip((float_call, int8_call), sides, strict=True):
-                samples.append(_sample(call, plan, run_queue))
-            pairs = len(sides[0])
-            if pairs >= repetitions and (remeasuring is None or decision_is_settled(*sides)
-                                         or pairs >= remeasuring.max_pairs
-                                         or plan.clock.seconds_since(start) >= remeasuring.max_seconds):
-                break
-    return Timing(*(plan.estimate([sample.seconds for sample in samples]) for samples in sides), pairs,
-                  _conditions(plan, sides, repetitions))
-
-
-def _conditions(plan: TimingPlan, sides: Sequence[Sequence[Sample]], repetitions: int) -> str:
-    if plan.remeasuring is None:
-        return ""
+    if remeasuring is None:
+        for _ in range(repetitions):
+            take_pair(None)
+        return _timing(plan, sides, "")
+    with remeasuring.run_queue() as run_queue:
+        for _ in range(repetitions):
+            take_pair(run_queue)
+        bound = min(remeasuring.max_seconds, math.inf if budget is None else budget.seconds_left)
+        start, spent = plan.clock.start(), 0.0
+        while not decision_is_settled(*sides) and spent < bound:
+            take_pair(run_queue)
+            spent = plan.clock.seconds_since(start)
+    if budget is not None:
+        budget.seconds_left -= spent
     if not decision_is_settled(*sides):
-        return NOISY
-    return SETTLED if len(sides[0]) == repetitions else REMEASURED
+        return _timing(plan, sides, NOISY)
+    return _timing(plan, sides, SETTLED if len(sides[0]) == repetitions else REMEASURED)
+
+
+def _timing(plan: TimingPlan, sides: tuple[list[Sample], list[Sample]], conditions: str) -> Timing:
+    float_seconds, int8_seconds = (plan.estimate([sample.seconds for sample in samples]) for samples in sides)
+    return Timing(float_seconds, int8_seconds, len(sides[0]), conditions)
