@@ -20,6 +20,7 @@ class RunQueueWait:
     microseconds a thread."""
 
     def __init__(self) -> None:
+        self.available = False
         self._files: dict[str, int] = {}
         self._last: dict[str, int] = {}
         self._total = 0

@@ -33,8 +33,8 @@ CUDA_CALLS_PER_SAMPLE = 5
 # On the CPU, while the slower side's fastest sample is disturbed: more pairs, for at most this long per call
 # signature and this long in all per calibration (a short spell of other work passes; a load that outlasts these
 # leaves the timings noisy rather than the calibration slow).
-CPU_REMEASURE_SECONDS = 1.0
-CPU_REMEASURE_SECONDS_PER_CALIBRATION = 5.0
+CPU_REMEASURE_SECONDS = 0.5
+CPU_REMEASURE_SECONDS_PER_CALIBRATION = 2.0
 # A sample is disturbed when this process's threads waited for a CPU for more than this share of it (on a quiet
 # machine they wait not at all).
 DISTURBED_SHARE = 0.05
