@@ -140,9 +140,17 @@ def test_thresholds_bite_per_layer(comfy_root, quant):
     out2, _ = quantize(quant, model, conv_mse_threshold=middle, linear_mse_threshold=middle,
                        compute_density_threshold=0)
     sample(out2, "sd15", steps=2)
-    layers = plan_of(out2).last_result.layers
+    result = plan_of(out2).last_result
+    layers = result.layers
+    # Above the threshold: float by the error gate. At or below: INT8, unless the whole-model guard (which acts at
+    # 5% of the threshold, so it bites here) returned the layer as one of the largest errors of a round.
+    guard_floor = middle / 4 ** result.model_guard.get("rounds", 0)
     for layer in layers:
-        assert (layer.decision == "int8") == (layer.error <= middle), layer
+        if layer.error > middle:
+            assert layer.decision == "float: error above threshold", layer
+        else:
+            assert layer.decision == "int8" or (layer.decision == "float: whole-model error guard"
+                                                and layer.error > guard_floor), layer
     assert 0 < len([layer for layer in layers if layer.decision == "int8"]) < len(layers)
     # Calibration keeps only the INT8 copies of layers that pass, and says what they cost.
     plan = plan_of(out2)

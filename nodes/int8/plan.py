@@ -41,6 +41,7 @@ from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
 from .calibration import (
     INT8,
+    MODEL_ERROR_LIMIT,
     MODEL_GUARD_ROUNDS,
     CalibrationResult,
     LayerMeasurement,
@@ -49,7 +50,6 @@ from .calibration import (
     decide,
     guard_round,
     linear_gemm_for,
-    model_error_limit,
     model_fingerprint,
 )
 from .core_layers import core_layer_source, core_layers_left, core_linear_format
@@ -528,7 +528,7 @@ class Int8Plan:
         FLOP share and what the guard did."""
         output, result.model_error, result.int8_flop_fraction = self._measure_swapped(
             executor, base_model, args, kwargs, float_output, result)
-        limit, before, returned = model_error_limit(self.settings), result.model_error, 0
+        limit, before, returned = MODEL_ERROR_LIMIT, result.model_error, 0
         for round_number in range(1, MODEL_GUARD_ROUNDS + 1):
             if result.model_error <= limit:  # a NaN error does not pass
                 break

@@ -6,7 +6,7 @@ table whose columns are padded so the server log shows it aligned too."""
 
 from __future__ import annotations
 
-from .calibration import MODEL_ERROR_SHARE, CalibrationResult, LayerMeasurement, decisive_gate
+from .calibration import CalibrationResult, LayerMeasurement, decisive_gate
 from .settings import QuantizeSettings
 from .speed import NOISY, REMEASURED
 
@@ -73,8 +73,8 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         now = "-" if result.model_error is None else f"{result.model_error:.2e}"
         paragraphs.append(
             f"whole-model guard: with every layer that passed its own gate in INT8 the model's output error was "
-            f"{guard['error_before']:.2e}, above its limit of {guard['limit']:.2e} ({100 * MODEL_ERROR_SHARE:g}% of the smaller "
-            f"error threshold; activation outliers do this); {guard['layers']} layers with the largest errors went back to "
+            f"{guard['error_before']:.2e}, above its limit of {guard['limit']:.2e} (activation outliers "
+            f"do this); {guard['layers']} layers with the largest errors went back to "
             f"float in {guard['rounds']} round(s), and the error is now {now}")
     timed = [layer for layer in result.layers if layer.int8_ms is not None]
     if timed:
