@@ -445,7 +445,7 @@ class Int8Plan:
         start = time.perf_counter()
         root = self._fresh_module_cache(base_model)
         copies = self.copies_of(base_model)
-        candidates = find_candidates(root)
+        candidates = self._candidates.get(root)  # the same walk the checking step's swap uses
         measurements: dict[str, LayerMeasurement] = {}
         memory = {"kept": 0, "peak": 0}
         gate, timings, remeasure_budget = speed_gate_enabled(), {}, RemeasureBudget()
