@@ -254,12 +254,12 @@ def empty_latent(kind: str, batch: int = 1, height: int = 64, width: int = 64, f
 def sample(model, kind: str, *, steps: int = 4, seed: int = 0, height: int = 64, width: int = 64,
            batch: int = 1, cfg: float = 5.0, sampler: str = "euler", scheduler: str = "normal",
            frames: int | None = None, negative_tokens: int | None = None,
-           sigmas: torch.Tensor | None = None) -> torch.Tensor:
+           sigmas: torch.Tensor | None = None, tokens: int = 8) -> torch.Tensor:
     """Run ComfyUI's own sampler on `model` and return the denoised latent (deterministic for a seed); `sigmas`
-    replaces the scheduler's schedule."""
+    replaces the scheduler's schedule; `tokens` is the prompts' length."""
     import comfy.sample
 
-    positive, negative = make_conditioning(kind, batch=batch, negative_tokens=negative_tokens)
+    positive, negative = make_conditioning(kind, batch=batch, tokens=tokens, negative_tokens=negative_tokens)
     latent = empty_latent(kind, batch, height, width, frames)
     noise = comfy.sample.prepare_noise(latent, seed)
     with torch.inference_mode():

@@ -3,7 +3,8 @@
 Block stacks whose forward honours ComfyUI's `patches_replace["dit"]` get a block-replace patch (chained to
 any patch already there). The others get their block list swapped, for the duration of a cached or capturing
 model call only (a DIFFUSION_MODEL wrapper, the innermost one, so other nodes' wrappers see the real model),
-for one whose middle blocks are `CachedBlock`s.
+for one whose middle blocks are `CachedBlock`s. Swapping also keeps the blocks a cached call skips out of the
+weights a 0.38 forward prefetches (Qwen-Image 2.1 builds its prefetch queue from the list it iterates).
 
 Post-block hooks (`BlockStack.post_hooks`) run on the blocks that run: on a cached call the hooks of the
 skipped middle blocks are not called. A segment's last block stands for the segment: its hooks run on the
@@ -19,7 +20,7 @@ import torch
 
 from ..wrapper_args import wrapper_arg
 from .families import BlockStack, Family
-from .segments import BlockPlace, Streams, middle_places, run_middle_block
+from .segments import BlockPlace, Streams, middle_places, run_middle_block, run_whole_block
 from .steps import WRAPPER_KEY, Mode, active_call
 
 
@@ -120,26 +121,43 @@ def _unflatten(flat: Streams) -> dict:
 class CachedBlock(torch.nn.Module):
     """Stands in for a middle block while a cached or capturing model call runs."""
 
-    def __init__(self, block: torch.nn.Module, place: BlockPlace, stack: BlockStack) -> None:
+    def __init__(self, block: torch.nn.Module, place: BlockPlace, stack: BlockStack, runs: bool) -> None:
         super().__init__()
         # not a child module: hooks, names and parameters stay those of the real block, which runs only when called
         object.__setattr__(self, "block", block)
+        if runs:
+            # a capturing call runs the block: a forward that prefetches its blocks' weights (ComfyUI 0.38 under
+            # dynamic VRAM) finds them through the list's modules; on a cached call it finds none to stream
+            self._modules["streamed"] = block
         self.place = place
         self.stack = stack
 
+    def __getattr__(self, name: str):
+        # the forward may read the block's own attributes (HiDream-O1: `layer.self_attn.comfy_attention`)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["block"], name)
+
     def forward(self, *args, **kwargs):
+        if self.stack.whole_pass is not None and self.stack.whole_pass(args, kwargs):
+            return run_whole_block(lambda: self.block(*args, **kwargs))
         streams = {}
         for name, (position, keyword) in zip(self.stack.streams, self.stack.arguments, strict=True):
             value = args[position] if len(args) > position else kwargs.get(keyword)
             if value is not None:
                 streams[name] = value
+        count = len(self.stack.streams)
+        extras = [None] * self.stack.extra_outputs
 
         def run_block() -> Streams:
             out = self.block(*args, **kwargs)
-            return dict(zip(self.stack.streams, out if isinstance(out, tuple) else (out,), strict=True))
+            values = out if isinstance(out, tuple) else (out,)
+            extras[:] = values[count:]
+            return dict(zip(self.stack.streams, values[:count], strict=True))
 
         out = run_middle_block(self.place, streams, run_block)
-        values = tuple(out[name] for name in self.stack.streams)
+        values = tuple(out[name] for name in self.stack.streams) + tuple(extras)
         return values if len(values) > 1 else values[0]
 
 
@@ -149,18 +167,18 @@ def _block_swap(family: Family, places: dict[int, dict[int, BlockPlace]]) -> Cal
         if call is None or call.mode is Mode.FULL:
             return executor(*args, **kwargs)
         net = executor.class_obj
-        originals = {}
+        originals = []
         try:
             for stack_number, stack_places in places.items():
                 stack = family.stacks[stack_number]
-                blocks = getattr(net, stack.attribute)
-                originals[stack.attribute] = blocks
-                setattr(net, stack.attribute, torch.nn.ModuleList(
-                    CachedBlock(block, stack_places[index], stack) if index in stack_places else block
-                    for index, block in enumerate(blocks)))
+                blocks = stack.blocks(net)
+                originals.append((stack, stack.swap_blocks(net, torch.nn.ModuleList(
+                    CachedBlock(block, stack_places[index], stack, call.mode is Mode.CAPTURE)
+                    if index in stack_places else block
+                    for index, block in enumerate(blocks)))))
             return executor(*args, **kwargs)
         finally:
-            for attribute, blocks in originals.items():
-                setattr(net, attribute, blocks)
+            for stack, blocks in reversed(originals):
+                stack.swap_blocks(net, blocks)
 
     return deepcache_block_swap

@@ -13,12 +13,20 @@ stack is reached one of two ways:
 A stream may be a tuple of tensors (LTX-2 passes video and audio as one "img"); each part is cached on its own.
 `post_hooks` names the list in `transformer_options["patches"]` the forward runs after every block
 (`{"img": ..., "block_index": i, ...}`, as ComfyUI 0.38's Lumina and Qwen-Image 2.1 do).
+
+Qwen-Image 2.1 and HiDream-O1 (ComfyUI 0.38) keep the prompt's keys and values across steps and turn that cache
+off whenever a block-replace patch is installed, so their blocks are reached by swapping the block list instead.
+Their forwards also call each block for the cache itself (Qwen-Image 2.1 runs the prompt rows alone once per
+prompt; HiDream-O1's first call per prompt returns each block's keys and values): `whole_pass` recognises such a
+call, which DeepCache leaves alone, and `extra_outputs` counts what a block returns after its streams (None when
+DeepCache skips the block).
 """
 
 from __future__ import annotations
 
 import importlib
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -30,9 +38,32 @@ class BlockStack:
     arguments: tuple[tuple[int, str], ...] = ()  # otherwise: (position, keyword) each stream enters by
     skip_attribute: str | None = None  # names a list of block indices the forward never runs
     post_hooks: str | None = None  # the patches list the forward runs after each block, with its block_index
+    whole_pass: Callable[[tuple, dict], bool] | None = None  # (args, kwargs) of a call the block must run as is
+    extra_outputs: int = 0  # values a block returns after its streams
 
     def blocks(self, diffusion_model):
         return operator.attrgetter(self.attribute)(diffusion_model)
+
+    def swap_blocks(self, diffusion_model, blocks):
+        """Put `blocks` where this stack's list is; return the list that was there."""
+        parent_path, _, name = self.attribute.rpartition(".")
+        parent = operator.attrgetter(parent_path)(diffusion_model) if parent_path else diffusion_model
+        previous = getattr(parent, name)
+        setattr(parent, name, blocks)
+        return previous
+
+
+def _qwen_image21_prompt_pass(args: tuple, kwargs: dict) -> bool:
+    """Qwen-Image 2.1 filling its prompt cache: `block(x, mod, pe, attn_fn, prefix_len, ...)` on prompt rows only."""
+    x = args[0] if args else kwargs.get("x")
+    prefix_len = args[4] if len(args) > 4 else kwargs.get("prefix_len", 0)
+    return bool(prefix_len) and x is not None and prefix_len == x.shape[1]
+
+
+def _hidream_o1_cache_fill(args: tuple, kwargs: dict) -> bool:
+    """HiDream-O1's first call for a prompt: `past_key_value=()` asks each layer for its keys and values."""
+    past = kwargs.get("past_key_value")
+    return isinstance(past, tuple) and len(past) == 0
 
 
 @dataclass(frozen=True)
@@ -65,14 +96,16 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen-Image", "comfy.ldm.qwen_image.model", "QwenImageTransformer2DModel",
            (BlockStack("transformer_blocks", ("img", "txt"), patch="double_block"),)),
     Family("Qwen-Image 2.1", "comfy.ldm.qwen_image21.model", "QwenImage21Transformer2DModel",
-           (BlockStack("transformer_blocks", ("img",), patch="single_block", post_hooks="single_block"),)),
+           (BlockStack("transformer_blocks", ("img",), arguments=((0, "x"),), post_hooks="single_block",
+                       whole_pass=_qwen_image21_prompt_pass),)),
     # LTX-2 (LTXAVModel) is an LTXVModel whose "img" is the tuple (video, audio)
     Family("LTX-Video / LTX-2", "comfy.ldm.lightricks.model", "LTXVModel",
            (BlockStack("transformer_blocks", ("img",), patch="double_block"),)),
     Family("Lumina 2 / Z-Image", "comfy.ldm.lumina.model", "NextDiT",
            (BlockStack("layers", ("img",), arguments=((0, "x"),), post_hooks="double_block"),)),
     Family("HiDream-O1", "comfy.ldm.hidream_o1.model", "HiDreamO1Transformer",
-           (BlockStack("language_model.layers", ("x",), patch="double_block"),)),
+           (BlockStack("language_model.layers", ("x",), arguments=((0, "x"),), whole_pass=_hidream_o1_cache_fill,
+                       extra_outputs=1),)),
     Family("HiDream", "comfy.ldm.hidream.model", "HiDreamImageTransformer2DModel",
            (BlockStack("double_stream_blocks", ("img", "txt"), arguments=((0, "image_tokens"), (2, "text_tokens"))),
             BlockStack("single_stream_blocks", ("img",), arguments=((0, "image_tokens"),)))),

@@ -89,3 +89,11 @@ def run_middle_block(place: BlockPlace, streams: Streams, run_block: Callable[[]
         residual = call.cached.get(prefix + name)
         out[name] = value + residual if residual is not None else value
     return out
+
+
+def run_whole_block(run_block: Callable):
+    """A call a family's forward makes for its own cache (`BlockStack.whole_pass`): the block runs as is."""
+    call = active_call()
+    if call is not None:
+        call.blocks_seen = True
+    return run_block()

@@ -1,0 +1,188 @@
+# ruff: noqa: F811 (the fixtures imported from tests.support.deepcache_tiny are test arguments here)
+"""DeepCache on ComfyUI 0.38's Qwen-Image 2.1 and HiDream-O1, whose forwards keep the prompt's keys and values
+for the whole sampling run and switch that cache off while any block-replace patch is installed.
+
+The tiny models (`harness.comfy038_prefix_models`) run those forwards as 0.38 writes them on the real ComfyUI
+0.3.75 (0.3.75 has neither family). The control is each model without DeepCache: its own cache on, the prompt's
+rows computed once per run. DeepCache reaches these blocks by swapping the block list, so their cache stays on:
+the prompt's rows are still computed once, and a cached step runs only the outer blocks on the image rows.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from harness import comfy038_prefix_models as prefix_models
+from harness.tiny_models import sample
+from tests.support.deepcache_tiny import deepcache, held_sigmas, one_thread  # noqa: F401 (fixtures)
+from tests.support.int8_checks import rel
+
+LAYERS = 6
+SIZE = {"height": 128, "width": 128, "tokens": 16}  # 16 prompt tokens; 16x16 image tokens (Qwen), 8x8 (HiDream)
+MODELS = {
+    # name: (build, host kind for latents and prompts, block list, key kind a user's block patch uses)
+    "qwen_image21": (prefix_models.build_qwen_image21, "flux", "transformer_blocks", "single_block"),
+    "hidream_o1": (prefix_models.build_hidream_o1, "sd3", "language_model.layers", "double_block"),
+}
+
+
+@pytest.fixture
+def families(monkeypatch):
+    prefix_models.register(monkeypatch)
+
+
+class BlockLog:
+    """Every real block call: its index, the rows it computed and what the forward called it for."""
+
+    def __init__(self, model, name: str) -> None:
+        self.calls: list[tuple[int, int, str]] = []
+        blocks = operator.attrgetter(MODELS[name][2])(model.model.diffusion_model)
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(
+                lambda module, args, kwargs, index=index: self.calls.append((index, *self._kind(args, kwargs))),
+                with_kwargs=True)
+
+    @staticmethod
+    def _kind(args, kwargs) -> tuple[int, str]:
+        x = args[0] if args else kwargs["x"]
+        rows = x.shape[1]
+        if "past_key_value" in kwargs:  # HiDream-O1's decoder layers
+            past = kwargs["past_key_value"]
+            return rows, "uncached" if past is None else ("prompt fill" if len(past) == 0 else "image rows")
+        prefix_len = args[4]  # Qwen-Image 2.1: block(x, mod, pe, attn_fn, prefix_len, ...)
+        return rows, "prompt" if prefix_len == rows else ("prompt and image" if prefix_len else "image rows")
+
+    def kinds(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for _, _, kind in self.calls:
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+
+def _run(model, name: str, **kwargs) -> torch.Tensor:
+    """One sampling run from a cold prompt cache (HiDream-O1 keeps its entries across runs: two prompts)."""
+    net = model.get_model_object("diffusion_model")
+    if hasattr(net, "clear_kv_cache"):
+        net.clear_kv_cache()
+    return sample(model, MODELS[name][1], **{**SIZE, **kwargs})
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_models_own_prompt_cache_stays_on_under_deepcache(deepcache, families, name):
+    model = MODELS[name][0](layers=LAYERS)
+    log = BlockLog(model, name)
+    _run(model, name, steps=6)
+    plain = log.kinds()
+    prompt_kind = "prompt" if name == "qwen_image21" else "prompt fill"
+    # the control: without DeepCache the prompt's rows are computed once per run (cond and uncond in one batch)
+    assert plain == {prompt_kind: LAYERS, "image rows": 6 * LAYERS - (LAYERS if name == "hidream_o1" else 0)}
+
+    log.calls.clear()
+    _run(deepcache.apply_deepcache(model, 3, 1), name, steps=6)
+    cached = log.kinds()
+    assert cached.get(prompt_kind) == LAYERS, cached  # still once per run
+    assert "uncached" not in cached and "prompt and image" not in cached, cached
+    assert cached["image rows"] < plain["image rows"], cached  # and DeepCache skipped the middle blocks
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_deepcache_with_the_prompt_cache_gives_the_full_steps_result(deepcache, families, name):
+    """Held sigmas: a cached step must give exactly what the full step gave, with the prompt's keys and values
+    read from the model's cache; interval 1 (every step full) is bit-identical to the model alone."""
+    model = MODELS[name][0](layers=LAYERS)
+    plain = _run(model, name, steps=4)
+    assert torch.equal(_run(deepcache.apply_deepcache(model, 1, 1), name, steps=4), plain)
+    sigmas = held_sigmas(model)
+    assert rel(_run(deepcache.apply_deepcache(model, 3, 1), name, sigmas=sigmas),
+               _run(model, name, sigmas=sigmas)) < 2e-6
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_users_block_patch_turns_the_prompt_cache_off_and_deepcache_still_caches(deepcache, families, name):
+    """Qwen-Image 2.1's cache is exact, so DeepCache gives the same result with a user's block patch (cache off).
+    HiDream-O1's first call of a run computes the whole sequence, its later calls only the rows after the prompt:
+    DeepCache captures on the second step there (one more full step per run than with the cache off)."""
+    build, _, _, key = MODELS[name]
+    model = build(layers=LAYERS)
+    patched = model.clone()
+    for index in range(LAYERS):
+        patched.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", key, index)
+    log = BlockLog(model, name)
+    with_cache = _run(deepcache.apply_deepcache(model, 3, 1), name, steps=6)
+    calls_with_cache = len(log.calls)
+    log.calls.clear()
+    without_cache = _run(deepcache.apply_deepcache(patched, 3, 1), name, steps=6)
+    assert set(log.kinds()) == {"prompt and image" if name == "qwen_image21" else "uncached"}
+    if name == "qwen_image21":
+        assert rel(without_cache, with_cache) < 1e-5
+        assert calls_with_cache == len(log.calls) + LAYERS  # the prompt pass
+    else:
+        assert calls_with_cache == len(log.calls) + LAYERS - 2  # a full step where a cached one ran the outer two
+
+
+# --- prefetch: comfy/model_prefetch.py (Comfy-Org/ComfyUI 03fb330a7f50e51fd7b3de126a288b089871c5e6) ------------
+def make_prefetch_queue_038(queue, device, transformer_options):
+    """0.38's `make_prefetch_queue` past its checks (dynamic VRAM on a CUDA device with offload streams)."""
+    return [None] + queue + [None]
+
+
+def prefetch_queue_pop_038(streamed: list, queue, device, module, dtype=None, core=None, enable_graph=False,
+                           generator=None, malloc_scope=None):
+    """0.38's `prefetch_queue_pop` without its CUDA-graph branches (no allocation graph runs on a CPU); what
+    `pin_modules` would stream is appended to `streamed`."""
+    if queue is None:
+        if core is not None:
+            core()
+        return
+    consumed = queue.pop(0)
+    if consumed is not None:
+        offload_stream, prefetch_state = consumed
+    prefetch = queue[0]
+    if prefetch is not None:
+        comfy_modules = []
+        prefetch_modules = prefetch if isinstance(prefetch, (list, tuple)) else (prefetch,)
+        for root in prefetch_modules:
+            for s in root.modules():
+                if hasattr(s, "_v"):
+                    comfy_modules.append(s)
+        streamed.append(comfy_modules)
+        queue[0] = (None, (module, comfy_modules))
+    if core is not None:
+        core()
+
+
+def test_qwen_image21_prefetches_only_the_blocks_a_call_runs(deepcache, families, monkeypatch):
+    """Under dynamic VRAM 0.38's Qwen-Image 2.1 streams each block's weights (its modules with a VBAR slot, `_v`)
+    just before the block, block patch or not: with DeepCache's block list a cached step streams only the outer
+    blocks it runs, a capturing step every block."""
+    model = prefix_models.build_qwen_image21(layers=LAYERS)
+    blocks = model.model.diffusion_model.transformer_blocks
+    block_of = {}
+    for index, block in enumerate(blocks):
+        for module in block.modules():
+            if isinstance(module, torch.nn.Linear):
+                module._v = (index,)  # as ModelPatcherDynamic.load gives a streamed layer its VBAR slot
+                block_of[module] = index
+    calls: list[list] = []
+    prefetch = prefix_models.model_prefetch
+
+    def new_queue(queue, device, transformer_options):
+        calls.append([])
+        return make_prefetch_queue_038(queue, device, transformer_options)
+
+    monkeypatch.setattr(prefetch, "make_prefetch_queue", new_queue)
+    monkeypatch.setattr(prefetch, "prefetch_queue_pop", lambda *args, **kwargs: prefetch_queue_pop_038(
+        calls[-1], *args, **kwargs))
+
+    every_block = set(range(LAYERS))
+    _run(model, "qwen_image21", steps=3)
+    plain = [{block_of[m] for modules in call for m in modules} for call in calls]
+    assert plain == [every_block] * 3  # the control: every block streamed on every call
+
+    calls.clear()
+    _run(deepcache.apply_deepcache(model, 3, 1), "qwen_image21", steps=3)
+    streamed = [{block_of[m] for modules in call for m in modules} for call in calls]
+    assert streamed == [every_block, {0, LAYERS - 1}, {0, LAYERS - 1}], streamed
