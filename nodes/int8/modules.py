@@ -22,7 +22,7 @@ from ...kernels import (
     weight_changed,
     weight_qmax,
 )
-from ..comfy_contracts import has_weight_patches, patched_parameter, patches_in_forward
+from ..comfy_contracts import has_weight_patches, patched_parameter, patches_in_forward, uses_vbar_cast
 from ..layers import layer_kind
 from .core_layers import (
     core_compute_dtype,
@@ -101,7 +101,16 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         self.base_weight_scale = scale
         self.bias = None if bias is None else torch.nn.Parameter(bias.to(held_dtype(bias.dtype)), requires_grad=False)
         self._initializing = False
+        self._record_own_dtypes()
         self.prepare()
+
+    def _record_own_dtypes(self) -> None:
+        # ComfyUI 0.38 records every layer's tensor dtypes when it builds a model (`<name>_comfy_model_dtype`,
+        # `archive_model_dtypes`) and sizes and casts what dynamic VRAM streams by them: a layer that became INT8
+        # after that (Load Diffusion Model (INT8) turns the built layer itself) would be streamed as float.
+        for name, tensor in (*self._parameters.items(), *self._buffers.items()):
+            if tensor is not None and f"{name}_comfy_model_dtype" in self.__dict__:
+                self.__dict__[f"{name}_comfy_model_dtype"] = tensor.dtype
 
     def __setattr__(self, name: str, value) -> None:
         # ModelPatcher restores a backed-up weight with setattr; the original int8 tensor belongs with the
@@ -197,6 +206,23 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
                          for t in (self.weight, self.weight_scale, self.bias))
         return self.weight, self.weight_scale, self.bias
 
+    def _run_quantized(self, x: torch.Tensor, kernel) -> torch.Tensor:
+        """`kernel(x, q_weight, w_scale, bias)` on this layer's int8 weight.
+
+        A loaded INT8 layer that ComfyUI 0.38 streams under dynamic VRAM holds a VBAR slot (`_v`): ComfyUI copies
+        its int8 bytes into the slot (ahead of the block on models that prefetch) and keeps them there across
+        steps while the slot stays resident, so they are read from there through ComfyUI's own cast in their
+        stored dtype; copying them from system memory here would move them a second time."""
+        if not uses_vbar_cast(self):
+            return kernel(x, *self._quantized_args(x))
+        weight, bias, stream = comfy.ops.cast_bias_weight(
+            self, x, dtype=self.weight.dtype, bias_dtype=None if self.bias is None else self.bias.dtype,
+            offloadable=True)
+        try:
+            return kernel(x, weight, self.weight_scale.to(x.device, non_blocking=True), bias)
+        finally:
+            comfy.ops.uncast_bias_weight(self, weight, bias, stream)
+
 
 class Int8Linear(_Int8Layer):
     # ComfyUI's fused `comfy.ops.linear_input_act` (0.38) feeds a weight that is not its own QuantizedTensor to an
@@ -246,7 +272,7 @@ class Int8Linear(_Int8Layer):
         if self._needs_float_path():
             weight, bias = self._float_weight_for_forward(x)
             return torch.nn.functional.linear(x, weight, bias)
-        return int8_linear(x, *self._quantized_args(x))
+        return self._run_quantized(x, int8_linear)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qmax={self.qmax}"
@@ -277,7 +303,8 @@ class Int8Conv2d(_Int8Layer):
         if self._needs_float_path():
             weight, bias = self._float_weight_for_forward(x)
             return torch.nn.functional.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
-        return int8_conv2d(x, *self._quantized_args(x), self.stride, self.padding, self.dilation, self.groups)
+        return self._run_quantized(x, lambda x, weight, scale, bias: int8_conv2d(
+            x, weight, scale, bias, self.stride, self.padding, self.dilation, self.groups))
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
