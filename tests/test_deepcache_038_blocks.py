@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness import comfy038_prefix_models
 from harness.tiny_models import build_tiny_model, sample
+from tests.support import comfy038_prefetch
 from tests.support.deepcache_tiny import deepcache, held_sigmas, one_thread  # noqa: F401 (fixtures)
 from tests.support.int8_checks import rel
 
@@ -127,7 +129,10 @@ AUDIO_TOKENS = 4
 def ltx2_038_forward(self, x, timestep, context, attention_mask, frame_rate=25, transformer_options=None,
                      keyframe_idxs=None, **kwargs):
     """0.3.75's LTXVModel._forward with the block contract of 0.38's LTXAVModel: the blocks and their
-    `patches_replace["dit"][("double_block", i)]` patches carry "img" = (video, audio) and return it the same way.
+    `patches_replace["dit"][("double_block", i)]` patches carry "img" = (video, audio) and return it the same way;
+    each block's turn starts with the weight prefetch (comfy/ldm/lightricks/av_model.py
+    `_process_transformer_blocks`, Comfy-Org/ComfyUI 0a29ddae76c003faac77c5c283e4f1c8cd10acca; on a CPU 0.38
+    builds no prefetch queue).
     The audio tokens here are the first video tokens, run through the same blocks as a second sequence and added
     back before the output projection, so both parts of the tuple reach the result."""
     import math
@@ -158,7 +163,11 @@ def ltx2_038_forward(self, x, timestep, context, attention_mask, frame_rate=25, 
         context = self.caption_projection(context).view(batch_size, -1, vx.shape[-1])
 
     blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
+    prefetch = comfy038_prefix_models.model_prefetch
+    prefetch_queue = prefetch.make_prefetch_queue(list(self.transformer_blocks), vx.device, transformer_options)
     for i, block in enumerate(self.transformer_blocks):
+        prefetch.prefetch_queue_pop(prefetch_queue, vx.device, block, malloc_scope="block")
+
         def run(pair, options, block=block):
             video, audio = pair
             video = block(video, context=context, attention_mask=attention_mask, timestep=timestep, pe=v_pe,
@@ -174,6 +183,7 @@ def ltx2_038_forward(self, x, timestep, context, attention_mask, frame_rate=25, 
             vx, ax = out["img"]
         else:
             vx, ax = run((vx, ax), transformer_options)
+    prefetch.prefetch_queue_pop(prefetch_queue, vx.device, None, malloc_scope="block")
 
     x = vx.clone()
     x[:, :AUDIO_TOKENS] += ax
@@ -212,3 +222,17 @@ def test_ltx2_tuple_stream_caches_video_and_audio(deepcache, ltx2):
     assert rel(cached, plain) < 2e-6
     moving = sample(deepcache.apply_deepcache(ltx2, 3, 1), "ltxv", steps=6)
     assert torch.isfinite(moving).all() and not torch.equal(moving, sample(ltx2, "ltxv", steps=6))
+
+
+def test_ltx2_cached_steps_prefetch_only_the_blocks_they_run(deepcache, ltx2, monkeypatch):
+    """Under dynamic VRAM 0.38's LTX-2 streams each block's weights before it looks up the block's patch: on a
+    cached step DeepCache's list of stand-ins leaves the middle blocks it skips out (the patches still decide)."""
+    blocks = ltx2.model.diffusion_model.transformer_blocks
+    streamed = comfy038_prefetch.record_prefetch(monkeypatch, blocks)
+    every_block = set(range(len(blocks)))
+    plain = sample(ltx2, "ltxv", steps=3)
+    assert streamed == [every_block] * 3  # the control
+    streamed.clear()
+    cached = sample(deepcache.apply_deepcache(ltx2, 3, 1), "ltxv", steps=3)
+    assert streamed == [every_block, {0, len(blocks) - 1}, {0, len(blocks) - 1}], streamed
+    assert torch.isfinite(cached).all() and not torch.equal(cached, plain)

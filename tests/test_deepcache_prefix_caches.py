@@ -17,6 +17,7 @@ import torch
 
 from harness import comfy038_prefix_models as prefix_models
 from harness.tiny_models import sample
+from tests.support import comfy038_prefetch
 from tests.support.deepcache_tiny import deepcache, held_sigmas, one_thread  # noqa: F401 (fixtures)
 from tests.support.int8_checks import rel
 
@@ -123,66 +124,16 @@ def test_a_users_block_patch_turns_the_prompt_cache_off_and_deepcache_still_cach
         assert calls_with_cache == len(log.calls) + LAYERS - 2  # a full step where a cached one ran the outer two
 
 
-# --- prefetch: comfy/model_prefetch.py (Comfy-Org/ComfyUI 03fb330a7f50e51fd7b3de126a288b089871c5e6) ------------
-def make_prefetch_queue_038(queue, device, transformer_options):
-    """0.38's `make_prefetch_queue` past its checks (dynamic VRAM on a CUDA device with offload streams)."""
-    return [None] + queue + [None]
-
-
-def prefetch_queue_pop_038(streamed: list, queue, device, module, dtype=None, core=None, enable_graph=False,
-                           generator=None, malloc_scope=None):
-    """0.38's `prefetch_queue_pop` without its CUDA-graph branches (no allocation graph runs on a CPU); what
-    `pin_modules` would stream is appended to `streamed`."""
-    if queue is None:
-        if core is not None:
-            core()
-        return
-    consumed = queue.pop(0)
-    if consumed is not None:
-        offload_stream, prefetch_state = consumed
-    prefetch = queue[0]
-    if prefetch is not None:
-        comfy_modules = []
-        prefetch_modules = prefetch if isinstance(prefetch, (list, tuple)) else (prefetch,)
-        for root in prefetch_modules:
-            for s in root.modules():
-                if hasattr(s, "_v"):
-                    comfy_modules.append(s)
-        streamed.append(comfy_modules)
-        queue[0] = (None, (module, comfy_modules))
-    if core is not None:
-        core()
-
-
 def test_qwen_image21_prefetches_only_the_blocks_a_call_runs(deepcache, families, monkeypatch):
     """Under dynamic VRAM 0.38's Qwen-Image 2.1 streams each block's weights (its modules with a VBAR slot, `_v`)
     just before the block, block patch or not: with DeepCache's block list a cached step streams only the outer
     blocks it runs, a capturing step every block."""
     model = prefix_models.build_qwen_image21(layers=LAYERS)
-    blocks = model.model.diffusion_model.transformer_blocks
-    block_of = {}
-    for index, block in enumerate(blocks):
-        for module in block.modules():
-            if isinstance(module, torch.nn.Linear):
-                module._v = (index,)  # as ModelPatcherDynamic.load gives a streamed layer its VBAR slot
-                block_of[module] = index
-    calls: list[list] = []
-    prefetch = prefix_models.model_prefetch
-
-    def new_queue(queue, device, transformer_options):
-        calls.append([])
-        return make_prefetch_queue_038(queue, device, transformer_options)
-
-    monkeypatch.setattr(prefetch, "make_prefetch_queue", new_queue)
-    monkeypatch.setattr(prefetch, "prefetch_queue_pop", lambda *args, **kwargs: prefetch_queue_pop_038(
-        calls[-1], *args, **kwargs))
-
+    streamed = comfy038_prefetch.record_prefetch(monkeypatch, model.model.diffusion_model.transformer_blocks)
     every_block = set(range(LAYERS))
     _run(model, "qwen_image21", steps=3)
-    plain = [{block_of[m] for modules in call for m in modules} for call in calls]
-    assert plain == [every_block] * 3  # the control: every block streamed on every call
+    assert streamed == [every_block] * 3  # the control: every block streamed on every call
 
-    calls.clear()
+    streamed.clear()
     _run(deepcache.apply_deepcache(model, 3, 1), "qwen_image21", steps=3)
-    streamed = [{block_of[m] for modules in call for m in modules} for call in calls]
     assert streamed == [every_block, {0, LAYERS - 1}, {0, LAYERS - 1}], streamed

@@ -4,7 +4,9 @@ Block stacks whose forward honours ComfyUI's `patches_replace["dit"]` get a bloc
 any patch already there). The others get their block list swapped, for the duration of a cached or capturing
 model call only (a DIFFUSION_MODEL wrapper, the innermost one, so other nodes' wrappers see the real model),
 for one whose middle blocks are `CachedBlock`s. Swapping also keeps the blocks a cached call skips out of the
-weights a 0.38 forward prefetches (Qwen-Image 2.1 builds its prefetch queue from the list it iterates).
+weights a 0.38 forward prefetches (Qwen-Image 2.1 and LTX-2 build their prefetch queue from the list they
+iterate, before looking up block patches): a patched stack whose forward prefetches (`BlockStack.prefetched`) has
+its list swapped on cached calls too, for stand-ins that only hand calls on to the real blocks.
 
 Post-block hooks (`BlockStack.post_hooks`) run on the blocks that run: on a cached call the hooks of the
 skipped middle blocks are not called. A segment's last block stands for the segment: its hooks run on the
@@ -41,7 +43,7 @@ def install_dit(model, depth: int, family: Family, layout: list[tuple[int, int]]
         if stack.patch is not None:
             patch = _block_patch(place, stack, existing.get((stack.patch, index)))
             model.set_model_patch_replace(patch, "dit", stack.patch, index)
-        else:
+        if stack.patch is None or stack.prefetched:
             swapped.setdefault(stack_number, {})[index] = place
     if swapped:
         model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, _block_swap(family, swapped))
@@ -140,6 +142,8 @@ class CachedBlock(torch.nn.Module):
             return getattr(self.__dict__["block"], name)
 
     def forward(self, *args, **kwargs):
+        if self.stack.patch is not None:  # DeepCache's block patch decides; this only keeps it out of prefetching
+            return self.block(*args, **kwargs)
         if self.stack.whole_pass is not None and self.stack.whole_pass(args, kwargs):
             return run_whole_block(lambda: self.block(*args, **kwargs))
         streams = {}
@@ -171,6 +175,8 @@ def _block_swap(family: Family, places: dict[int, dict[int, BlockPlace]]) -> Cal
         try:
             for stack_number, stack_places in places.items():
                 stack = family.stacks[stack_number]
+                if stack.patch is not None and call.mode is not Mode.CACHED:
+                    continue
                 blocks = stack.blocks(net)
                 originals.append((stack, stack.swap_blocks(net, torch.nn.ModuleList(
                     CachedBlock(block, stack_places[index], stack, call.mode is Mode.CAPTURE)

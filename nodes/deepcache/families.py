@@ -19,7 +19,8 @@ off whenever a block-replace patch is installed, so their blocks are reached by 
 Their forwards also call each block for the cache itself (Qwen-Image 2.1 runs the prompt rows alone once per
 prompt; HiDream-O1's first call per prompt returns each block's keys and values): `whole_pass` recognises such a
 call, which DeepCache leaves alone, and `extra_outputs` counts what a block returns after its streams (None when
-DeepCache skips the block).
+DeepCache skips the block). `prefetched` marks a patched stack whose 0.38 forward prefetches the weights of the
+blocks in its list (LTX-2): on cached calls DeepCache swaps the list too, so the blocks it skips are not streamed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class BlockStack:
     post_hooks: str | None = None  # the patches list the forward runs after each block, with its block_index
     whole_pass: Callable[[tuple, dict], bool] | None = None  # (args, kwargs) of a call the block must run as is
     extra_outputs: int = 0  # values a block returns after its streams
+    prefetched: bool = False  # the forward prefetches the weights of the blocks in its list (ComfyUI 0.38)
 
     def blocks(self, diffusion_model):
         return operator.attrgetter(self.attribute)(diffusion_model)
@@ -100,7 +102,7 @@ FAMILIES: tuple[Family, ...] = (
                        whole_pass=_qwen_image21_prompt_pass),)),
     # LTX-2 (LTXAVModel) is an LTXVModel whose "img" is the tuple (video, audio)
     Family("LTX-Video / LTX-2", "comfy.ldm.lightricks.model", "LTXVModel",
-           (BlockStack("transformer_blocks", ("img",), patch="double_block"),)),
+           (BlockStack("transformer_blocks", ("img",), patch="double_block", prefetched=True),)),
     Family("Lumina 2 / Z-Image", "comfy.ldm.lumina.model", "NextDiT",
            (BlockStack("layers", ("img",), arguments=((0, "x"),), post_hooks="double_block"),)),
     Family("HiDream-O1", "comfy.ldm.hidream_o1.model", "HiDreamO1Transformer",
