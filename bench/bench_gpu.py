@@ -268,7 +268,8 @@ def main() -> int:
             return 0
         from gpu_models import run_models
 
-        return run_models(args.families.split(","), args.out or Path("/tmp") / "gpu_models_dry_run.md", dry=True)
+        return run_models(args.families.split(","), args.out or Path("/tmp") / "gpu_models_dry_run.md", dry=True,
+                          variant_names=args.variants.split(";") if args.variants else None)
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here, nothing to measure (the GPU bench needs an NVIDIA GPU)")
         return 0
