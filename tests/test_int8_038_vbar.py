@@ -44,11 +44,15 @@ def _in_slot(weight: torch.Tensor, slot: vbar.Slot) -> bool:
     return weight.untyped_storage().data_ptr() == slot.buffer.untyped_storage().data_ptr()
 
 
-def test_a_streamed_int8_layer_reads_its_weight_from_its_vbar_slot(pack, monkeypatch, kernel_weights):
+def _streamed_layers():
+    """Each layer with its input, its output before it got a slot, its slot and the bytes one copy moves."""
     for layer, x in _layers():
         expected = layer(x)
-        slot = vbar.give_slot(layer)
-        size = vbar.vram_aligned_size([layer.weight, layer.bias])
+        yield layer, x, expected, vbar.give_slot(layer), vbar.vram_aligned_size([layer.weight, layer.bias])
+
+
+def test_a_streamed_int8_layer_reads_its_weight_from_its_vbar_slot(pack, monkeypatch, kernel_weights):
+    for layer, x, expected, slot, size in _streamed_layers():
         with torch.inference_mode(), vbar.vbar_casts(monkeypatch):
             assert torch.equal(layer(x), expected)
             assert _in_slot(kernel_weights[-1], slot) and slot.copies == size  # one copy, into the slot
@@ -61,10 +65,7 @@ def test_a_streamed_int8_layer_reads_its_weight_from_its_vbar_slot(pack, monkeyp
 
 def test_a_prefetched_int8_layer_is_not_copied_again_by_its_own_call(pack, monkeypatch, kernel_weights):
     """A prefetching model fills the block's slots before the block runs: the layer's call reads that copy."""
-    for layer, x in _layers():
-        expected = layer(x)
-        slot = vbar.give_slot(layer)
-        size = vbar.vram_aligned_size([layer.weight, layer.bias])
+    for layer, x, expected, slot, size in _streamed_layers():
         with torch.inference_mode(), vbar.vbar_casts(monkeypatch):
             for step in range(3):
                 if step == 2:
