@@ -137,3 +137,28 @@ def test_qwen_image21_prefetches_only_the_blocks_a_call_runs(deepcache, families
     streamed.clear()
     _run(deepcache.apply_deepcache(model, 3, 1), "qwen_image21", steps=3)
     assert streamed == [every_block, {0, LAYERS - 1}, {0, LAYERS - 1}], streamed
+
+
+def test_hidream_o1_refilling_its_cache_on_a_cached_step_runs_every_layer(deepcache, families):
+    """HiDream-O1 keeps two prompts' entries; a third evicts one, and that prompt's next call computes the whole
+    sequence again to refill it, whatever step it falls on. On a cached step DeepCache cannot skip that call's
+    middle layers (the forward needs each layer's keys and values): they run, and the run ends as it would have."""
+    model = prefix_models.build_hidream_o1(layers=LAYERS)
+    net = model.model.diffusion_model
+    log = BlockLog(model, "hidream_o1")
+    calls = []
+
+    def evict_on_the_third_call(executor, *args, **kwargs):
+        calls.append(len(log.calls))
+        if len(calls) == 3:  # a cached step (interval 3: full, cached, cached, ...)
+            net.clear_kv_cache()
+        return executor(*args, **kwargs)
+
+    from comfy.patcher_extension import WrappersMP
+
+    cached = deepcache.apply_deepcache(model, 3, 1)
+    cached.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, "test_eviction", evict_on_the_third_call)
+    out = _run(cached, "hidream_o1", steps=6)
+    refill = [kind for _, _, kind in log.calls[calls[2]:calls[3]]]
+    assert refill == ["prompt fill"] * LAYERS  # every layer ran for the refill on the cached step
+    assert torch.isfinite(out).all()
