@@ -145,7 +145,9 @@ class CachedBlock(torch.nn.Module):
         if self.stack.patch is not None:  # DeepCache's block patch decides; this only keeps it out of prefetching
             return self.block(*args, **kwargs)
         if self.stack.whole_pass is not None and self.stack.whole_pass(args, kwargs):
-            return run_whole_block(lambda: self.block(*args, **kwargs))
+            call = active_call()
+            if not self.stack.captures_whole_pass or (call is not None and call.mode is Mode.CACHED):
+                return run_whole_block(lambda: self.block(*args, **kwargs))
         streams = {}
         for name, (position, keyword) in zip(self.stack.streams, self.stack.arguments, strict=True):
             value = args[position] if len(args) > position else kwargs.get(keyword)
@@ -160,7 +162,7 @@ class CachedBlock(torch.nn.Module):
             extras[:] = values[count:]
             return dict(zip(self.stack.streams, values[:count], strict=True))
 
-        out = run_middle_block(self.place, streams, run_block)
+        out = run_middle_block(self.place, streams, run_block, self.stack.trailing_rows)
         values = tuple(out[name] for name in self.stack.streams) + tuple(extras)
         return values if len(values) > 1 else values[0]
 

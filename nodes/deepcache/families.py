@@ -18,8 +18,9 @@ Qwen-Image 2.1 and HiDream-O1 (ComfyUI 0.38) keep the prompt's keys and values a
 off whenever a block-replace patch is installed, so their blocks are reached by swapping the block list instead.
 Their forwards also call each block for the cache itself (Qwen-Image 2.1 runs the prompt rows alone once per
 prompt; HiDream-O1's first call per prompt returns each block's keys and values): `whole_pass` recognises such a
-call, which DeepCache leaves alone, and `extra_outputs` counts what a block returns after its streams (None when
-DeepCache skips the block). `prefetched` marks a patched stack whose 0.38 forward prefetches the weights of the
+call, which DeepCache leaves alone (HiDream-O1's is its whole sequence, captured on a full step; its later calls
+carry only the rows after the prompt, which the captured residual's trailing rows serve), and `extra_outputs`
+counts what a block returns after its streams (None when DeepCache skips the block). `prefetched` marks a patched stack whose 0.38 forward prefetches the weights of the
 blocks in its list (LTX-2): on cached calls DeepCache swaps the list too, so the blocks it skips are not streamed.
 """
 
@@ -40,6 +41,12 @@ class BlockStack:
     skip_attribute: str | None = None  # names a list of block indices the forward never runs
     post_hooks: str | None = None  # the patches list the forward runs after each block, with its block_index
     whole_pass: Callable[[tuple, dict], bool] | None = None  # (args, kwargs) of a call the block must run as is
+    # such a call carries the whole sequence (HiDream-O1): a full step captures it like any call, only a cached
+    # step must run it as is
+    captures_whole_pass: bool = False
+    # later calls may carry only the trailing rows of the sequence a full step captured (HiDream-O1 once its
+    # prompt cache is filled): the cached residual serves them by its trailing rows
+    trailing_rows: bool = False
     extra_outputs: int = 0  # values a block returns after its streams
     prefetched: bool = False  # the forward prefetches the weights of the blocks in its list (ComfyUI 0.38)
 
@@ -107,7 +114,7 @@ FAMILIES: tuple[Family, ...] = (
            (BlockStack("layers", ("img",), arguments=((0, "x"),), post_hooks="double_block"),)),
     Family("HiDream-O1", "comfy.ldm.hidream_o1.model", "HiDreamO1Transformer",
            (BlockStack("language_model.layers", ("x",), arguments=((0, "x"),), whole_pass=_hidream_o1_cache_fill,
-                       extra_outputs=1),)),
+                       captures_whole_pass=True, trailing_rows=True, extra_outputs=1),)),
     Family("HiDream", "comfy.ldm.hidream.model", "HiDreamImageTransformer2DModel",
            (BlockStack("double_stream_blocks", ("img", "txt"), arguments=((0, "image_tokens"), (2, "text_tokens"))),
             BlockStack("single_stream_blocks", ("img",), arguments=((0, "image_tokens"),)))),

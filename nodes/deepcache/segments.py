@@ -53,9 +53,11 @@ def middle_places(layout: list[tuple[int, int]], depth: int) -> dict[tuple[int, 
     return places
 
 
-def run_middle_block(place: BlockPlace, streams: Streams, run_block: Callable[[], Streams]) -> Streams:
+def run_middle_block(place: BlockPlace, streams: Streams, run_block: Callable[[], Streams],
+                     trailing_rows: bool = False) -> Streams:
     """The streams a middle block hands on: its own output on full steps, on cached steps its input (inside a
-    segment) or the segment's input plus the cached residual (at the segment's end)."""
+    segment) or the segment's input plus the cached residual (at the segment's end). `trailing_rows`: a residual
+    cached for a longer sequence serves a call that carries only its trailing rows."""
     run = active_run()
     call = active_call()
     if call is None or call.mode is Mode.FULL:
@@ -65,7 +67,7 @@ def run_middle_block(place: BlockPlace, streams: Streams, run_block: Callable[[]
     if place.resolves_call:
         call.signature = chunk_signature(next(iter(streams.values())), len(call.chunk_ids))
         if call.mode is Mode.CACHED:
-            call.cached = run.cache.get(call.chunk_ids, call.signature, run.step)
+            call.cached = run.cache.get(call.chunk_ids, call.signature, run.step, trailing_rows=trailing_rows)
             if call.cached is None:
                 run.fall_back_to_capture(call)
     if call.mode is Mode.CAPTURE:

@@ -110,23 +110,30 @@ class FeatureCache:
                 self._entries[chunk_id] = entry
             entry[1].setdefault(name, Trajectory(self.order)).record(step, piece)
 
-    def get(self, chunk_ids: Sequence, signature: tuple, step: float,
-            names: Sequence[str] | None = None) -> dict | None:
-        """All `names` (default: every name cached for the first chunk) for every chunk at `step`, or None."""
-        found = []
+    def get(self, chunk_ids: Sequence, signature: tuple, step: float, names: Sequence[str] | None = None,
+            trailing_rows: bool = False) -> dict | None:
+        """All `names` (default: every name cached for the first chunk) for every chunk at `step`, or None.
+        `trailing_rows`: an entry for a longer sequence (dim 1), otherwise the same, serves by its trailing rows."""
+        found, dropped = [], set()
         for chunk_id in chunk_ids:
             entry = self._entries.get(chunk_id)
-            if entry is None or entry[0] != signature:
+            if entry is None:
                 return None
+            if entry[0] != signature:
+                drop = _leading_rows_over(entry[0], signature) if trailing_rows else None
+                if drop is None:
+                    return None
+                dropped.add(drop)
             found.append(entry[1])
-        if not found:
+        if not found or len(dropped) > 1:
             return None
         wanted = list(names) if names is not None else sorted(found[0])
         if not wanted or any(name not in tensors for tensors in found for name in wanted):
             return None
-        if len(found) == 1:
-            return {name: found[0][name].at(step) for name in wanted}
-        return {name: torch.cat([tensors[name].at(step) for tensors in found], dim=0) for name in wanted}
+        drop = dropped.pop() if dropped else 0
+        tensors = {name: torch.cat([entry[name].at(step) for entry in found], dim=0) if len(found) > 1
+                   else found[0][name].at(step) for name in wanted}
+        return {name: value[:, drop:] for name, value in tensors.items()} if drop else tensors
 
     def tensors(self) -> int:
         """How many tensors the cache holds (the forecast's differences included)."""
@@ -262,6 +269,17 @@ def active_run() -> DeepCacheRun | None:
 def active_call() -> ModelCall | None:
     """The model call executing right now in this thread (set only inside the APPLY_MODEL wrapper)."""
     return _ACTIVE_CALL.get() if _ACTIVE_RUN.get() is not None else None
+
+
+def _leading_rows_over(stored: tuple, wanted: tuple) -> int | None:
+    """How many leading rows (dim 1) an entry cached under `stored` has over a call of signature `wanted` that
+    is otherwise the same (batch, trailing dims, dtype, device); None when it is not such an entry."""
+    (batch, shape, *rest), (wanted_batch, wanted_shape, *wanted_rest) = stored, wanted
+    if (batch, rest, len(shape)) != (wanted_batch, wanted_rest, len(wanted_shape)) or not shape:
+        return None
+    if shape[1:] != wanted_shape[1:] or shape[0] <= wanted_shape[0]:
+        return None
+    return shape[0] - wanted_shape[0]
 
 
 def chunk_signature(tensor: torch.Tensor, chunks: int) -> tuple:
