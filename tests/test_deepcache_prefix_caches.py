@@ -101,22 +101,23 @@ def test_deepcache_with_the_prompt_cache_gives_the_full_steps_result(deepcache, 
                _run(model, name, sigmas=sigmas)) < 2e-6
 
 
+@pytest.mark.parametrize("mode", ["reuse", "forecast"])
 @pytest.mark.parametrize("name", MODELS)
-def test_a_users_block_patch_turns_the_prompt_cache_off_and_deepcache_still_caches(deepcache, families, name):
+def test_a_users_block_patch_turns_the_prompt_cache_off_and_deepcache_still_caches(deepcache, families, name, mode):
     """The models' caches are exact, so DeepCache gives the same result with a user's block patch (cache off),
     running the same block forwards (Qwen-Image 2.1's once-per-run prompt pass aside). HiDream-O1's first call
     computes the whole sequence and its later calls only the rows after the prompt: the residuals captured on the
-    first serve the later ones by their trailing rows."""
+    first serve the later ones by their trailing rows (and keep the forecast's history)."""
     build, _, _, key = MODELS[name]
     model = build(layers=LAYERS)
     patched = model.clone()
     for index in range(LAYERS):
         patched.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", key, index)
     log = BlockLog(model, name)
-    with_cache = _run(deepcache.apply_deepcache(model, 3, 1), name, steps=6)
+    with_cache = _run(deepcache.apply_deepcache(model, 3, 1, mode=mode), name, steps=9)
     calls_with_cache = len(log.calls)
     log.calls.clear()
-    without_cache = _run(deepcache.apply_deepcache(patched, 3, 1), name, steps=6)
+    without_cache = _run(deepcache.apply_deepcache(patched, 3, 1, mode=mode), name, steps=9)
     assert set(log.kinds()) == {"prompt and image" if name == "qwen_image21" else "uncached"}
     assert calls_with_cache == len(log.calls) + (LAYERS if name == "qwen_image21" else 0)
     assert rel(without_cache, with_cache) < 1e-5

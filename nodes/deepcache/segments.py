@@ -78,7 +78,8 @@ def run_middle_block(place: BlockPlace, streams: Streams, run_block: Callable[[]
             inputs = call.scratch.pop(place.segment, {})
             for name, value in out.items():
                 if value is not None and name in inputs and inputs[name].shape == value.shape:
-                    run.cache.put(call.chunk_ids, call.signature, prefix + name, value - inputs[name], run.step)
+                    run.cache.put(call.chunk_ids, call.signature, prefix + name, value - inputs[name], run.step,
+                                  trailing_rows=trailing_rows)
         return out
     # cached: skip the block; the segment's last block returns its input plus the cached residual
     if place.starts:  # a ControlNet may add to the passed-through tensor in place: keep the clean input

@@ -80,6 +80,12 @@ class Trajectory:
                 terms.append((terms[-1] - previous) / gap)
         self.step, self.terms = step, terms
 
+    def trailing(self, drop: int) -> Trajectory:
+        """This trajectory without its first `drop` rows (dim 1)."""
+        kept = Trajectory(self.order)
+        kept.step, kept.terms = self.step, [term[:, drop:] for term in self.terms]
+        return kept
+
     def at(self, step: float) -> torch.Tensor:
         if len(self.terms) == 1:
             return self.terms[0]
@@ -99,12 +105,19 @@ class FeatureCache:
         self.order = mode.order
         self._entries: dict[object, tuple[tuple, dict[str, Trajectory]]] = {}
 
-    def put(self, chunk_ids: Sequence, signature: tuple, name: str, tensor: torch.Tensor, step: float) -> None:
+    def put(self, chunk_ids: Sequence, signature: tuple, name: str, tensor: torch.Tensor, step: float,
+            trailing_rows: bool = False) -> None:
+        """`trailing_rows`: an entry for a longer sequence, otherwise the same, keeps its history by its trailing
+        rows (the forecast's differences included)."""
         if not chunk_ids or tensor.shape[0] % len(chunk_ids):
             return  # not one equal slice per cond: leave it uncached (a later lookup misses and recomputes)
         pieces = tensor.split(tensor.shape[0] // len(chunk_ids), dim=0)
         for chunk_id, piece in zip(chunk_ids, pieces, strict=True):
             entry = self._entries.get(chunk_id)
+            drop = _leading_rows_over(entry[0], signature) if trailing_rows and entry is not None else None
+            if drop is not None:
+                entry = (signature, {key: trajectory.trailing(drop) for key, trajectory in entry[1].items()})
+                self._entries[chunk_id] = entry
             if entry is None or entry[0] != signature:
                 entry = (signature, {})
                 self._entries[chunk_id] = entry
