@@ -11,7 +11,7 @@ Both models turn their own cache off while any block-replace patch is installed.
 The models are `harness/comfy038_prefix_models.py`'s: 0.38's forwards as written, small widths (Qwen-Image 2.1:
 4 heads of 32, 12 blocks; HiDream-O1: hidden 128, 4 heads, 12 layers), 256x256 pictures (Qwen-Image 2.1: 1024
 image rows; HiDream-O1, 2x2 patches of the latent: 256), 128 prompt tokens, 20 steps, cfg 5 (cond and uncond in
-one batch), DeepCache interval 3, depth 1. Times: median of `--rounds` process-CPU times, configurations
+one batch), DeepCache interval 3, depth 1, mode reuse. Times: median of `--rounds` process-CPU times, configurations
 interleaved. Random weights: the error column says how far a cached step drifts on these weights, not what a
 trained model's picture looks like.
 
@@ -123,7 +123,7 @@ def main() -> None:
         "",
         f"CPU: {cpu_line()}; one thread; torch {torch.__version__}; ComfyUI 0.3.75 with the two families' 0.38",
         f"forwards (harness/comfy038_prefix_models.py). {args.steps} steps, cfg 5, {SIZE}x{SIZE}, {PROMPT_TOKENS} prompt tokens,",
-        f"DeepCache interval 3 depth 1; median of {args.rounds} rounds. **Random weights**: the error columns show how",
+        f"DeepCache interval 3 depth 1, mode reuse; median of {args.rounds} rounds. **Random weights**: the error columns show how",
         "far the cached steps drift on these weights, not picture quality. Written by bench/bench_deepcache_prefix.py.",
         "",
         "Token rows count batch rows times sequence rows over every block forward (the prompt's rows included when",
