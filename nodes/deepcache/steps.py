@@ -114,11 +114,11 @@ class FeatureCache:
         pieces = tensor.split(tensor.shape[0] // len(chunk_ids), dim=0)
         for chunk_id, piece in zip(chunk_ids, pieces, strict=True):
             entry = self._entries.get(chunk_id)
-            drop = _leading_rows_over(entry[0], signature) if trailing_rows and entry is not None else None
-            if drop is not None:
+            drop = None if entry is None else _rows_to_drop(entry[0], signature, trailing_rows)
+            if drop:
                 entry = (signature, {key: trajectory.trailing(drop) for key, trajectory in entry[1].items()})
                 self._entries[chunk_id] = entry
-            if entry is None or entry[0] != signature:
+            elif drop is None:
                 entry = (signature, {})
                 self._entries[chunk_id] = entry
             entry[1].setdefault(name, Trajectory(self.order)).record(step, piece)
@@ -127,26 +127,23 @@ class FeatureCache:
             trailing_rows: bool = False) -> dict | None:
         """All `names` (default: every name cached for the first chunk) for every chunk at `step`, or None.
         `trailing_rows`: an entry for a longer sequence (dim 1), otherwise the same, serves by its trailing rows."""
-        found, dropped = [], set()
+        found = []
         for chunk_id in chunk_ids:
             entry = self._entries.get(chunk_id)
-            if entry is None:
+            drop = None if entry is None else _rows_to_drop(entry[0], signature, trailing_rows)
+            if drop is None:
                 return None
-            if entry[0] != signature:
-                drop = _leading_rows_over(entry[0], signature) if trailing_rows else None
-                if drop is None:
-                    return None
-                dropped.add(drop)
-            found.append(entry[1])
-        if not found or len(dropped) > 1:
+            found.append((entry[1], drop))
+        if not found:
             return None
-        wanted = list(names) if names is not None else sorted(found[0])
-        if not wanted or any(name not in tensors for tensors in found for name in wanted):
+        wanted = list(names) if names is not None else sorted(found[0][0])
+        if not wanted or any(name not in tensors for tensors, _ in found for name in wanted):
             return None
-        drop = dropped.pop() if dropped else 0
-        tensors = {name: torch.cat([entry[name].at(step) for entry in found], dim=0) if len(found) > 1
-                   else found[0][name].at(step) for name in wanted}
-        return {name: value[:, drop:] for name, value in tensors.items()} if drop else tensors
+        values = [{name: tensors[name].at(step)[:, drop:] if drop else tensors[name].at(step) for name in wanted}
+                  for tensors, drop in found]
+        if len(values) == 1:
+            return values[0]
+        return {name: torch.cat([chunk[name] for chunk in values], dim=0) for name in wanted}
 
     def tensors(self) -> int:
         """How many tensors the cache holds (the forecast's differences included)."""
@@ -284,11 +281,14 @@ def active_call() -> ModelCall | None:
     return _ACTIVE_CALL.get() if _ACTIVE_RUN.get() is not None else None
 
 
-def _leading_rows_over(stored: tuple, wanted: tuple) -> int | None:
-    """How many leading rows (dim 1) an entry cached under `stored` has over a call of signature `wanted` that
-    is otherwise the same (batch, trailing dims, dtype, device); None when it is not such an entry."""
+def _rows_to_drop(stored: tuple, wanted: tuple, trailing_rows: bool) -> int | None:
+    """How an entry cached under signature `stored` serves a call of signature `wanted`: 0 as it is; with
+    `trailing_rows`, by dropping this many leading rows (dim 1) of a longer sequence that is otherwise the same
+    (batch, trailing dims, dtype, device); None when it does not."""
+    if stored == wanted:
+        return 0
     (batch, shape, *rest), (wanted_batch, wanted_shape, *wanted_rest) = stored, wanted
-    if (batch, rest, len(shape)) != (wanted_batch, wanted_rest, len(wanted_shape)) or not shape:
+    if not trailing_rows or (batch, rest, len(shape)) != (wanted_batch, wanted_rest, len(wanted_shape)) or not shape:
         return None
     if shape[1:] != wanted_shape[1:] or shape[0] <= wanted_shape[0]:
         return None
