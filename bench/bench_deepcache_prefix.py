@@ -70,11 +70,10 @@ def _rows(args: tuple, kwargs: dict) -> int:
 
 
 def run_once(model, kind: str, steps: int) -> tuple[torch.Tensor, float]:
+    from harness.comfy038_prefix_models import cold_prompt_cache
     from harness.tiny_models import sample
 
-    net = model.get_model_object("diffusion_model")
-    if hasattr(net, "clear_kv_cache"):
-        net.clear_kv_cache()  # HiDream-O1 keeps its entries across runs: every run starts cold
+    cold_prompt_cache(model)  # every run starts cold
     start = time.process_time()
     out = sample(model, kind, steps=steps, height=SIZE, width=SIZE, tokens=PROMPT_TOKENS)
     return out, time.process_time() - start

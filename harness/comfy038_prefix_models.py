@@ -747,26 +747,14 @@ def register(monkeypatch=None) -> None:
             sys.modules[name] = module
 
 
-def _fill(net: nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in net.named_parameters():
-            if param.ndim == 1:
-                param.fill_(0.0 if name.endswith("bias") or "text_norm" in name else 1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-
-
 def _patcher_around(kind: str, net: nn.Module, seed: int, model_class: type):
-    from harness.tiny_models import build_tiny_model
+    from harness.tiny_models import _fill_weights, build_tiny_model
 
     patcher = build_tiny_model(kind, seed=seed)
     base = patcher.model
-    _fill(net, seed)
     base.diffusion_model = net
+    _fill_weights(base, seed, std=0.05)
     base.__class__ = type(model_class.__name__, (model_class, type(base)), {})
-    if hasattr(base, "_current_patcher"):
-        base._current_patcher = None
     return patcher
 
 
@@ -807,6 +795,14 @@ class _HiDreamO1Base:
         out["position_ids"] = comfy.conds.CONDRegular(torch.arange(length).expand(1, 3, length).clone())
         out["ar_len"] = comfy.conds.CONDConstant(tokens)
         return out
+
+
+def cold_prompt_cache(model) -> None:
+    """Empty the model's prompt cache before a sampling run: HiDream-O1 keeps its entries across runs
+    (Qwen-Image 2.1 empties its own when a run starts)."""
+    net = model.get_model_object("diffusion_model")
+    if hasattr(net, "clear_kv_cache"):
+        net.clear_kv_cache()
 
 
 def build_qwen_image21(seed: int = 0, layers: int = 6, **dims):

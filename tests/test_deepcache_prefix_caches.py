@@ -64,10 +64,8 @@ class BlockLog:
 
 
 def _run(model, name: str, **kwargs) -> torch.Tensor:
-    """One sampling run from a cold prompt cache (HiDream-O1 keeps its entries across runs: two prompts)."""
-    net = model.get_model_object("diffusion_model")
-    if hasattr(net, "clear_kv_cache"):
-        net.clear_kv_cache()
+    """One sampling run from a cold prompt cache."""
+    prefix_models.cold_prompt_cache(model)
     return sample(model, MODELS[name][1], **{**SIZE, **kwargs})
 
 
