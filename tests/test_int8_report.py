@@ -248,7 +248,8 @@ def test_summary_says_when_the_speed_gate_kept_every_layer_float():
 
 def test_the_report_says_which_timings_other_work_disturbed():
     """Per layer, the timing column gives the speed gate's sample pairs and how they went; the speed gate line counts
-    the layers re-measured and those left noisy, which it tells a person not to trust."""
+    the layers timed longer for being close, those re-measured and those left noisy, which it tells a person not to
+    trust."""
     from comfyui_int8_accel.nodes.int8.calibration import SLOWER_IN_INT8, LayerMeasurement
 
     def layer(name: str, decision: str, pairs: int, conditions: str) -> LayerMeasurement:
@@ -258,14 +259,14 @@ def test_the_report_says_which_timings_other_work_disturbed():
 
     result = CalibrationResult(key="k", shape=[1, 16, 32, 32], kernel_backend="cpu", layers=[
         layer("settled", "int8", 3, "settled"), layer("waited", "int8", 9, "re-measured"),
-        layer("noisy", SLOWER_IN_INT8, 30, "noisy"), layer("cuda", "int8", 3, ""),
+        layer("noisy", SLOWER_IN_INT8, 30, "noisy"), layer("cuda", "int8", 3, ""), layer("near", "int8", 6, "close"),
         LayerMeasurement(name="untimed", kind="linear", weight_shape=[8, 8], m=1, k=8, n=8, density=1.0, error=None,
                          decision="float: density below threshold")])
     report = format_report(result, QuantizeSettings(), {})
     rows = report_table_rows(report)
     assert {name: cells[7] for name, cells in rows.items()} == {
         "settled": "settled, 3 pairs", "waited": "re-measured, 9 pairs", "noisy": "noisy, 30 pairs",
-        "cuda": "3 pairs", "untimed": "-"}
+        "cuda": "3 pairs", "near": "close, 6 pairs", "untimed": "-"}
 
     def speed_line(result: CalibrationResult) -> str:
         return next(part for part in format_report(result, QuantizeSettings(), {}).split("\n\n")
@@ -273,6 +274,8 @@ def test_the_report_says_which_timings_other_work_disturbed():
 
     assert "1 re-measured, as other work on the machine disturbed their first samples" in speed_line(result)
     assert "1 noisy, " in speed_line(result) and "may not hold on a quiet machine" in speed_line(result)
+    # a close call took more pairs, and the report does not blame other work for it
+    assert "1 timed with more pairs, as float and INT8 came within 25% of each other" in speed_line(result)
     quiet = CalibrationResult(key="k", shape=[1, 16, 32, 32], kernel_backend="cpu",
                               layers=[layer("settled", "int8", 3, "settled")])
     assert "re-measured" not in speed_line(quiet) and "noisy" not in speed_line(quiet)

@@ -48,7 +48,7 @@ class LayerMeasurement:
     float_ms: float | None = None  # the speed gate's timings of this layer's call (None: not timed)
     int8_ms: float | None = None
     timing_pairs: int = 0  # float/INT8 sample pairs the speed gate took (0: not timed)
-    timing_conditions: str = ""  # speed.SETTLED, REMEASURED or NOISY ("": not timed, or a device that does not check)
+    timing_conditions: str = ""  # speed.SETTLED, CLOSE, REMEASURED or NOISY ("": not timed, or a device that does not check)
     source: str = ""  # a core-quantized layer's format and how its INT8 weights were made ("": a float layer)
     # The kernel backend serving the calibration's device computes this layer's call in float at the calibration
     # shape (below its size floor), with the dequantized weight: INT8 would change the result and save nothing.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .calibration import CalibrationResult, LayerMeasurement, decisive_gate
 from .settings import QuantizeSettings
-from .speed import NOISY, REMEASURED
+from .speed import CLOSE, CLOSE_SHARE, NOISY, REMEASURED
 
 MIB = 2**20
 TABLE_COLUMNS = ("layer", "kind", "shape", "density", "norm. MSE", "float ms", "int8 ms", "timing", "decided by",
@@ -85,7 +85,7 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         paragraphs.append(
             f"speed gate: {len(timed)} layers timed on {result.kernel_backend or 'this device'}, {slower} stay float "
             f"as slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of {kept_float:.1f} ms in float "
-            f"({'-' if speedup is None else f'{speedup:.2f}x'})" + _disturbed_timings(timed))
+            f"({'-' if speedup is None else f'{speedup:.2f}x'})" + _timing_conditions(timed))
     if result.memory:
         mib = {name: value / MIB for name, value in result.memory.items()}
         paragraphs.append(
@@ -109,12 +109,17 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
     return "\n\n".join(paragraphs)
 
 
-def _disturbed_timings(timed: list[LayerMeasurement]) -> str:
-    """What other work on the machine did to the timings: layers re-measured, and layers whose decision rests on
-    disturbed samples."""
+def _timing_conditions(timed: list[LayerMeasurement]) -> str:
+    """How the timings went where they took more than the first pairs: layers timed longer for being close, layers
+    re-measured after other work on the machine disturbed them, and layers whose decision rests on disturbed
+    samples."""
     remeasured = sum(1 for layer in timed if layer.timing_conditions == REMEASURED)
     noisy = sum(1 for layer in timed if layer.timing_conditions == NOISY)
+    close = sum(1 for layer in timed if layer.timing_conditions == CLOSE)
     parts = []
+    if close:
+        parts.append(f"{close} timed with more pairs, as float and INT8 came within "
+                     f"{round(100 * CLOSE_SHARE)}% of each other")
     if remeasured:
         parts.append(f"{remeasured} re-measured, as other work on the machine disturbed their first samples")
     if noisy:
@@ -148,8 +153,8 @@ def _details_line(result: CalibrationResult, settings: QuantizeSettings) -> str:
             f"size in INT8, not in float below its size floor ('kernel size floor'), its norm. MSE = "
             f"mean((y_int8 - y)^2) / mean(y^2) is at most {settings.conv_mse_threshold:g} (conv) / {settings.linear_mse_threshold:g} (linear) ('error')"
             + (" and its INT8 call is faster than its float call ('speed'; float/int8 ms: the speed gate's times, "
-               "the fastest sample on the CPU and the median on CUDA; timing: its sample pairs, and whether other "
-               "work on the machine made it re-measure them or left them noisy)." if timed
+               "the fastest sample on the CPU and the median on CUDA; timing: its sample pairs, and whether the two "
+               "sides came close, other work on the machine made it re-measure them, or left them noisy)." if timed
                else "; no layer was timed (speed gate off, or no layer reached it)."))
 
 

@@ -1,9 +1,12 @@
 """How long this process's threads have waited for a CPU while runnable: the Linux scheduler's per-thread run
-delay (`/proc/self/task/<tid>/schedstat`, second field, in nanoseconds).
+delay (`/proc/self/task/<tid>/schedstat`, second field, in nanoseconds), plus the time the machine's virtual CPUs
+waited for a physical one (steal, `/proc/stat`), where it runs in a virtual machine.
 
 A timed call whose threads waited for a CPU was slowed by other work on the machine, not by its own cost: one
 preempted worker stalls every other at the next barrier of a parallel region, so a call of several regions (an
-INT8 call) pays it several times over.
+INT8 call) pays it several times over. Steal is that same wait one level down (another guest of the host ran on
+the core), which the guest's run delay does not count; the kernel reports it in clock ticks (10 ms on most
+systems), so a reading says that some was stolen rather than how much.
 """
 
 from __future__ import annotations
@@ -11,32 +14,57 @@ from __future__ import annotations
 import os
 
 _TASKS = "/proc/self/task"
+_STAT = "/proc/stat"
+_STEAL_FIELD = 8  # of the first line: "cpu user nice system idle iowait irq softirq steal ..."
 
 
 class RunQueueWait:
     """A counter, used as a context manager: `seconds()` is the run delay this process's threads accumulated since
-    it was opened (a thread that ends keeps what it added; one that starts later counts in full), or None where the
-    OS does not say (not Linux, no schedstat). Each thread's file stays open while it is, so a reading costs a few
-    microseconds a thread."""
+    it was opened (a thread that ends keeps what it added; one that starts later counts in full) plus the steal of
+    the machine's CPUs since then, or None where the OS does not say (not Linux, no schedstat). Each thread's file
+    stays open while it is, so a reading costs a few microseconds a thread."""
 
     def __init__(self) -> None:
         self.available = False
         self._files: dict[str, int] = {}
         self._last: dict[str, int] = {}
         self._total = 0
+        self._stat: int | None = None
+        self._steal_start: int | None = None
+        self._tick = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7
 
     def __enter__(self) -> RunQueueWait:
         self.available = self._read(baseline=True)
+        if self.available:
+            try:
+                self._stat = os.open(_STAT, os.O_RDONLY)
+            except OSError:
+                self._stat = None
+            self._steal_start = self._steal_ticks()
         return self
 
     def __exit__(self, *exc) -> None:
         for tid in list(self._files):
             self._forget(tid)
+        if self._stat is not None:
+            os.close(self._stat)
+            self._stat = None
 
     def seconds(self) -> float | None:
         if not (self.available and self._read(baseline=False)):
             return None
-        return self._total / 1e9
+        steal = self._steal_ticks()
+        stolen = 0 if steal is None or self._steal_start is None else steal - self._steal_start
+        return (self._total + stolen * self._tick) / 1e9
+
+    def _steal_ticks(self) -> int | None:
+        if self._stat is None:
+            return None
+        try:
+            fields = os.pread(self._stat, 256, 0).split(b"\n", 1)[0].split()
+            return int(fields[_STEAL_FIELD]) if fields[0] == b"cpu" and len(fields) > _STEAL_FIELD else None
+        except (OSError, ValueError):
+            return None
 
     def _read(self, baseline: bool) -> bool:
         try:
