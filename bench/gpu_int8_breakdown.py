@@ -5,7 +5,8 @@ Per shape, median microseconds (CUDA events, after warm-up) of: the float layer;
 already-quantized inputs (the INT8 tensor-core floor for this shape); the activation quantizer; the rescale
 epilogue; the whole INT8 op through `kernels.int8_linear` (dispatch included) and the backend's own function
 (no dispatch); and the host's microseconds to enqueue one call (100 calls, no sync). Then torch.profiler's list of
-the CUDA kernels one whole call runs. Writes the table to --out.
+the CUDA kernels one whole call runs. Conv: both of the triton backend's conv kernels (INT8_ACCEL_TRITON_CONV).
+Writes the table to --out.
 
     python bench/gpu_int8_breakdown.py [--out FILE]
 """
@@ -15,9 +16,11 @@ the CUDA kernels one whole call runs. Writes the table to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -30,7 +33,27 @@ from bench_gpu import median_ms  # noqa: E402
 
 LINEAR_SHAPES = [(8192, 640, 640), (2048, 1280, 1280), (2048, 1280, 10240), (4608, 3072, 3072),
                  (4608, 3072, 12288), (4608, 12288, 3072)]  # fmt: skip
-CONV_SHAPES = [(2, 320, 128, 128, 320), (2, 1280, 32, 32, 1280)]
+CONV_SHAPES = [(2, 320, 128, 128, 320), (2, 640, 64, 64, 640), (2, 1280, 32, 32, 1280)]
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """The kernels' environment variables (`kernels.environment` names, without the prefix) set while inside."""
+    from comfyui_int8_accel.kernels import environment as names
+
+    saved = {}
+    for key, value in values.items():
+        name = getattr(names, key)
+        saved[name] = os.environ.get(name)
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def median_us(fn: Callable[[], object], reps: int = 30) -> float:
@@ -131,8 +154,10 @@ def main() -> int:
         print(lines[-1], flush=True)
         write()
 
-    lines += ["", "| conv B x Cin x H x W x Cout, 3x3 | float | quantize affine | conv kernel | int8 op (dispatch) | "
-              "host us: float / int8 op |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "nchw / nhwc: the conv kernel on NCHW int8 activations and the one on channels-last activations "
+              "(INT8_ACCEL_TRITON_CONV), each with its own activation quantizer.", "",
+              "| conv B x Cin x H x W x Cout, 3x3 | float | quantize affine nchw / nhwc | conv kernel nchw / nhwc | "
+              "int8 op (dispatch) nchw / nhwc | host us: float / int8 op nchw |", "|---|---|---|---|---|---|"]  # fmt: skip
     for bsz, cin, h, w_, cout in CONV_SHAPES:
         try:
             x = torch.randn(bsz, cin, h, w_, device=dev, dtype=dtype)
@@ -140,17 +165,29 @@ def main() -> int:
             b = torch.randn(cout, device=dev, dtype=dtype)
             q, s = kernels.quantize_weight_per_channel(w.float(), 127)
             sums = cuda_backend.weight_column_sums(q)
+            rows = triton_kernels.nhwc_conv_rows(q)
             xq, zp, xs = triton_kernels.quantize_affine(x)
-            cells = [median_us(lambda: F.conv2d(x, w, b, 1, 1)),
-                     median_us(lambda: triton_kernels.quantize_affine(x)),
-                     median_us(lambda: triton_kernels.conv2d_int8(xq, zp, xs, q, sums, s, b, [1, 1], [1, 1], [1, 1], 1,
-                                                                  dtype)),
-                     median_us(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1))]
-            host = (host_us(lambda: F.conv2d(x, w, b, 1, 1)), host_us(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1)))
-            lines.append(f"| {bsz}x{cin}x{h}x{w_}x{cout} | " + " | ".join(f"{c:.1f}" for c in cells)
-                         + f" | {host[0]:.1f} / {host[1]:.1f} |")
-            kernels_seen.append(f"- conv {bsz}x{cin}x{h}x{w_}x{cout}: "
-                                f"{kernel_list(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1))}")
+            xq_last, _, _ = triton_kernels.quantize_affine(x, channels_last=True)
+            conv_args = (sums, s, b, [1, 1], [1, 1], [1, 1], 1, dtype)
+
+            def int8_op(layout: str) -> float:
+                with environment(TRITON_CONV=layout):
+                    return median_us(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1))
+
+            cells = [f"{median_us(lambda: F.conv2d(x, w, b, 1, 1)):.1f}",
+                     f"{median_us(lambda: triton_kernels.quantize_affine(x)):.1f} / "
+                     f"{median_us(lambda: triton_kernels.quantize_affine(x, channels_last=True)):.1f}",
+                     f"{median_us(lambda: triton_kernels.conv2d_int8(xq, zp, xs, q, *conv_args)):.1f} / "
+                     f"{median_us(lambda: triton_kernels.conv2d_int8_nhwc(xq_last, zp, xs, rows, *conv_args)):.1f}",
+                     f"{int8_op('nchw'):.1f} / {int8_op('nhwc'):.1f}"]
+            with environment(TRITON_CONV="nchw"):
+                host = (host_us(lambda: F.conv2d(x, w, b, 1, 1)),
+                        host_us(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1)))
+            lines.append(f"| {bsz}x{cin}x{h}x{w_}x{cout} | " + " | ".join(cells) + f" | {host[0]:.1f} / {host[1]:.1f} |")
+            for layout in ("nchw", "nhwc"):
+                with environment(TRITON_CONV=layout):
+                    kernels_seen.append(f"- conv {bsz}x{cin}x{h}x{w_}x{cout} ({layout}): "
+                                        f"{kernel_list(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1))}")
         except Exception as exc:  # noqa: BLE001
             lines.append(f"| {bsz}x{cin}x{h}x{w_}x{cout} | failed: {type(exc).__name__}: "
                          f"{' '.join(str(exc).split())[:150]} |")

@@ -17,6 +17,8 @@ IM2COL_MAX_ROWS = "INT8_ACCEL_IM2COL_MAX_ROWS"
 COMPILE_QUANTIZER = "INT8_ACCEL_COMPILE_QUANTIZER"
 TRITON_LINEAR = "INT8_ACCEL_TRITON_LINEAR"
 TRITON_LINEAR_CHOICES = ("auto", "int-mm", "fused")
+TRITON_CONV = "INT8_ACCEL_TRITON_CONV"
+TRITON_CONV_CHOICES = ("auto", "nchw", "nhwc")
 
 
 def forced_weight_bits() -> int | None:
@@ -69,11 +71,22 @@ def compiled_quantizer_disabled_reason() -> str | None:
     return f"{COMPILE_QUANTIZER}=0" if os.environ.get(COMPILE_QUANTIZER) == "0" else None
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, "").strip() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
 def triton_linear_gemm() -> str:
     """How the triton backend multiplies a Linear (read at every call): "auto" (default: the backend picks per
     GPU, `triton_backend.linear_gemm`), "int-mm" (torch._int_mm, then the rescale kernel) or "fused" (one Triton
     INT8 GEMM with the rescale in its epilogue)."""
-    value = os.environ.get(TRITON_LINEAR, "").strip() or TRITON_LINEAR_CHOICES[0]
-    if value not in TRITON_LINEAR_CHOICES:
-        raise ValueError(f"{TRITON_LINEAR}={value!r}: expected one of {', '.join(TRITON_LINEAR_CHOICES)}")
-    return value
+    return _choice(TRITON_LINEAR, TRITON_LINEAR_CHOICES)
+
+
+def triton_conv_layout() -> str:
+    """Which INT8 conv kernel the triton backend runs (read at every call): "auto" (default: the backend picks,
+    `triton_backend.conv_layout`), "nchw" (the implicit GEMM on NCHW int8 activations) or "nhwc" (activations
+    quantized to channels-last, the reduction along contiguous channels)."""
+    return _choice(TRITON_CONV, TRITON_CONV_CHOICES)

@@ -1,6 +1,7 @@
 """The `triton` backend: Triton kernels for the activation quantizers (per token for Linear, affine per tensor for
 the conv), the rescale epilogue and the INT8 conv; the Linear GEMM is either `torch._int_mm` followed by the rescale
-kernel or one Triton INT8 GEMM with the rescale in its epilogue (`linear_gemm` says which, per GPU).
+kernel or one Triton INT8 GEMM with the rescale in its epilogue (`linear_gemm` says which, per GPU); the conv reads
+NCHW or channels-last int8 activations (`conv_layout`).
 
 Its quantization formulas are the reference's, written so the kernels reproduce them bit for bit: its results
 equal the `cuda` backend's exactly. Without a GPU it runs only under TRITON_INTERPRET=1 (set before triton is
@@ -17,7 +18,8 @@ import torch
 
 from . import triton_toolchain
 from .cuda import int_mm_padded, prepared_linear_weight, weight_column_sums
-from .environment import triton_linear_gemm
+from .environment import triton_conv_layout, triton_linear_gemm
+from .weight_cache import CACHE
 
 
 def _kernels() -> ModuleType:
@@ -66,6 +68,17 @@ def linear_gemm(device: torch.device) -> str:
     return "fused" if _capability(index) >= FUSED_GEMM_FROM_CAPABILITY else "int-mm"
 
 
+def conv_layout(device: torch.device) -> str:
+    """The INT8 conv kernel for `device`: "nchw" or "nhwc", as INT8_ACCEL_TRITON_CONV forces, else "nchw" (the one
+    a GPU has timed: bench/results/gpu_h200_run2; the channels-last kernel awaits its first GPU run)."""
+    chosen = triton_conv_layout()
+    return "nchw" if chosen == "auto" else chosen
+
+
+def _nhwc_conv_rows(q_weight: torch.Tensor) -> torch.Tensor:
+    return CACHE.get(q_weight, None, "nhwc-conv-rows", _kernels().nhwc_conv_rows)
+
+
 def prepare_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
     if linear_gemm(q_weight.device) == "int-mm":
         prepared_linear_weight(q_weight)
@@ -74,6 +87,8 @@ def prepare_linear(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Te
 def prepare_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                    stride: list[int], padding: list[int], dilation: list[int], groups: int) -> None:  # fmt: skip
     weight_column_sums(q_weight)
+    if conv_layout(q_weight.device) == "nhwc":
+        _nhwc_conv_rows(q_weight)
 
 
 def linear(
@@ -93,6 +108,11 @@ def linear(
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
            stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:  # fmt: skip
     triton_kernels = _kernels()
+    if conv_layout(x.device) == "nhwc":
+        xq, zp_signed, scale = triton_kernels.quantize_affine(x, channels_last=True)
+        return triton_kernels.conv2d_int8_nhwc(xq, zp_signed, scale, _nhwc_conv_rows(q_weight),
+                                               weight_column_sums(q_weight), w_scale, bias, stride, padding, dilation,
+                                               groups, x.dtype)  # fmt: skip
     xq, zp_signed, scale = triton_kernels.quantize_affine(x)
     return triton_kernels.conv2d_int8(xq, zp_signed, scale, q_weight, weight_column_sums(q_weight), w_scale,
                                       bias, stride, padding, dilation, groups, x.dtype)

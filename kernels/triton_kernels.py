@@ -272,14 +272,10 @@ if AVAILABLE:
         tl.store(partial_ptr + pid, tl.min(lo, axis=0))
         tl.store(partial_ptr + PARTIALS + pid, tl.max(hi, axis=0))
 
-    @_autotune(configs=_configs(({"BLOCK": 8192}, 4), [
-        ({"BLOCK": 1024}, 4), ({"BLOCK": 2048}, 4), ({"BLOCK": 4096}, 8), ({"BLOCK": 8192}, 8)]), key=["C"])
     @triton.jit
-    def _quantize_affine_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, zero_point_ptr, N, C, programs,
-                                PARTIALS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        # Same formulas as quant.affine_qparams and quant.round_affine, stored signed (q - 128, zero point - 128).
-        # The partials already hold min(x, 0) and max(x, 0): the clamps to zero are in them.
-        pid = tl.program_id(0)
+    def _affine_qparams(partial_ptr, programs, PARTIALS: tl.constexpr):
+        # Same formulas as quant.affine_qparams, from the range kernel's partials, which already hold min(x, 0) and
+        # max(x, 0): the clamps to zero are in them. Returns (scale, zero point, 1 / scale), unsigned zero point.
         parts = tl.arange(0, PARTIALS)
         lo = tl.min(tl.load(partial_ptr + parts, mask=parts < programs, other=0.0), axis=0)
         hi = tl.max(tl.load(partial_ptr + PARTIALS + parts, mask=parts < programs, other=0.0), axis=0)
@@ -287,17 +283,112 @@ if AVAILABLE:
         scale = tl.where(span > 0, tl.math.div_rn(span, tl.full([], 255.0, tl.float32)), 1.0)
         zero_point = _round_half_even(tl.math.div_rn(-lo, scale))
         zero_point = tl.minimum(tl.maximum(zero_point, 0.0), 255.0)
-        inv_scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
+        return scale, zero_point, tl.math.div_rn(tl.full([], 1.0, tl.float32), scale)
+
+    @triton.jit
+    def _quantize_affine_values(v, inv_scale, zero_point):
+        # quant.round_affine, stored signed (q - 128) as float
+        q = _round_half_even(v.to(tl.float32) * inv_scale + zero_point)
+        return tl.minimum(tl.maximum(q, 0.0), 255.0) - 128.0
+
+    @_autotune(configs=_configs(({"BLOCK": 8192}, 4), [
+        ({"BLOCK": 1024}, 4), ({"BLOCK": 2048}, 4), ({"BLOCK": 4096}, 8), ({"BLOCK": 8192}, 8)]), key=["C"])
+    @triton.jit
+    def _quantize_affine_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, zero_point_ptr, N, C, programs,
+                                PARTIALS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        # Signed storage: q - 128 and zero point - 128.
+        pid = tl.program_id(0)
+        scale, zero_point, inv_scale = _affine_qparams(partial_ptr, programs, PARTIALS)
         offs = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # as in _affine_range_kernel
         for start in range(0, N, programs * BLOCK):
             mask = start + offs < N
-            v = tl.load(x_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
-            q = _round_half_even(v * inv_scale + zero_point)
-            q = tl.minimum(tl.maximum(q, 0.0), 255.0) - 128.0
-            tl.store(q_ptr + start + offs, q.to(tl.int8), mask=mask)
+            v = tl.load(x_ptr + start + offs, mask=mask, other=0.0)
+            tl.store(q_ptr + start + offs, _quantize_affine_values(v, inv_scale, zero_point).to(tl.int8), mask=mask)
         if pid == 0:
             tl.store(scale_ptr, scale)
             tl.store(zero_point_ptr, (zero_point - 128.0).to(tl.int32))
+
+    # The same quantizer writing channels-last (NHWC) int8 for the NHWC conv: each program quantizes a tile of
+    # BLOCK_C channels x BLOCK_P pixels of one image, read along the pixels (contiguous in NCHW) and written along
+    # the channels (contiguous in NHWC); the compiler stages the tile through shared memory between the two.
+    @_autotune(configs=_configs(({"BLOCK_C": 16, "BLOCK_P": 64}, 4), [
+        ({"BLOCK_C": 32, "BLOCK_P": 64}, 4), ({"BLOCK_C": 64, "BLOCK_P": 64}, 4),
+        ({"BLOCK_C": 64, "BLOCK_P": 128}, 8), ({"BLOCK_C": 128, "BLOCK_P": 64}, 8)]), key=["C"])
+    @triton.jit
+    def _quantize_affine_nhwc_kernel(x_ptr, partial_ptr, q_ptr, scale_ptr, zero_point_ptr, C, HW, programs,
+                                     PARTIALS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):  # fmt: skip
+        scale, zero_point, inv_scale = _affine_qparams(partial_ptr, programs, PARTIALS)
+        pixels = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        # Offsets in int64: a video latent's batch passes 2**31 elements, and so may one large image.
+        image = tl.program_id(2).to(tl.int64) * C * HW
+        mask = (channels < C)[:, None] & (pixels < HW)[None, :]
+        v = tl.load(x_ptr + image + (channels.to(tl.int64) * HW)[:, None] + pixels[None, :], mask=mask, other=0.0)
+        q = _quantize_affine_values(v, inv_scale, zero_point).to(tl.int8)
+        tl.store(q_ptr + image + channels[:, None] + (pixels.to(tl.int64) * C)[None, :], q, mask=mask)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+            tl.store(scale_ptr, scale)
+            tl.store(zero_point_ptr, (zero_point - 128.0).to(tl.int32))
+
+    # Implicit-GEMM INT8 conv on channels-last int8 activations and [C_out, KH, KW, C_in_g] weight rows: per kernel
+    # tap, the reduction runs along the channels, contiguous in both operands (whole-vector loads, no index
+    # arithmetic per element); a pixel outside the image reads the zero point for all of its channels. Same int32
+    # result and epilogue as _conv2d_int8_kernel, so the same output bit for bit; NCHW output.
+    @_autotune(configs=_configs(({"BLOCK_M": 32, "BLOCK_K": 32}, 4), [
+        ({"BLOCK_M": 64, "BLOCK_K": 64}, 4), ({"BLOCK_M": 128, "BLOCK_K": 64}, 8),
+        ({"BLOCK_M": 128, "BLOCK_K": 128}, 8), ({"BLOCK_M": 64, "BLOCK_K": 128}, 4)]),
+        key=["C_in_g", "C_out_g", "BLOCK_N"])
+    @triton.jit
+    def _conv2d_int8_nhwc_kernel(
+        x_ptr, w_ptr, col_sum_ptr, w_scale_ptr, bias_ptr, out_ptr, x_zero_point_ptr, x_scale_ptr,
+        B, C_in, H, W, C_out, H_out, W_out, C_in_g, C_out_g,
+        stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+        KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        group = tl.program_id(2)
+        M = B * H_out * W_out
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < C_out_g
+        b_idx = offs_m // (H_out * W_out)
+        pix = offs_m % (H_out * W_out)
+        ih0 = (pix // W_out) * stride_h - pad_h
+        iw0 = (pix % W_out) * stride_w - pad_w
+        co = group * C_out_g + offs_n
+        channels = tl.arange(0, BLOCK_K)
+        x_zero_point = tl.load(x_zero_point_ptr)
+        x_scale = tl.load(x_scale_ptr)
+        K = KH * KW * C_in_g
+        w_cols = co * K  # the weight's offsets stay int32: C_out x K elements
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for tap in tl.static_range(KH * KW):
+            ih = ih0 + (tap // KW) * dil_h
+            iw = iw0 + (tap % KW) * dil_w
+            inside = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            # int64: the input passes 2**31 elements for a video latent's batch
+            x_rows = ((b_idx.to(tl.int64) * H + ih) * W + iw) * C_in + group * C_in_g
+            for c0 in range(0, C_in_g, BLOCK_K):
+                c = c0 + channels
+                c_mask = c < C_in_g
+                a = tl.load(x_ptr + x_rows[:, None] + c[None, :], mask=inside[:, None] & c_mask[None, :], other=0)
+                # Padding is the quantized value of 0.0, the zero point; channels past C_in_g meet zero weights.
+                a = tl.where(inside[:, None], a, x_zero_point).to(tl.int8)
+                w = tl.load(w_ptr + w_cols[None, :] + (tap * C_in_g + c)[:, None],
+                            mask=c_mask[:, None] & n_mask[None, :], other=0)
+                acc += tl.dot(a, w, out_dtype=tl.int32)
+        col_sum = tl.load(col_sum_ptr + co, mask=n_mask, other=0)
+        acc = acc - x_zero_point * col_sum[None, :]
+        w_scale = tl.load(w_scale_ptr + co, mask=n_mask, other=0.0)
+        y = acc.to(tl.float32) * (x_scale * w_scale)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + co, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_rows = b_idx.to(tl.int64) * C_out * (H_out * W_out) + pix
+        out_cols = co.to(tl.int64) * (H_out * W_out)
+        tl.store(out_ptr + out_rows[:, None] + out_cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def _require() -> None:
@@ -323,23 +414,30 @@ AFFINE_GRAIN = 16384 if INTERPRETED else 32768
 AFFINE_PROGRAMS = 16 if INTERPRETED else 512
 
 
-def quantize_affine(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`cuda.quantize_conv_input` in two launches: (int8 q - 128 in x's shape, contiguous; 0-d int32 zero point
-    - 128; 0-d float32 scale), bit for bit. One kernel reads x for partial minima and maxima, the other reads it
-    again to quantize; nothing else of x's size is allocated and nothing is read on the host. The channel count
-    (dim 1, or 1) keys the autotuning."""
+def quantize_affine(x: torch.Tensor, channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`cuda.quantize_conv_input` in two launches: (int8 q - 128, contiguous; 0-d int32 zero point - 128; 0-d
+    float32 scale), bit for bit. One kernel reads x for partial minima and maxima, the other reads it again to
+    quantize; nothing else of x's size is allocated and nothing is read on the host. The channel count (dim 1, or
+    1) keys the autotuning. q has x's shape, or with `channels_last` (x NCHW) the NHWC shape [B, H, W, C]."""
     _require()
     x = x.detach().contiguous()
     n = x.numel()
     channels = x.shape[1] if x.dim() > 1 else 1
     programs = max(1, min(triton.cdiv(n, AFFINE_GRAIN), AFFINE_PROGRAMS))
     partials = torch.empty((2, AFFINE_PROGRAMS), dtype=torch.float32, device=x.device)
-    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     zero_point = torch.empty((), dtype=torch.int32, device=x.device)
     _affine_range_kernel[(programs,)](x, partials, n, channels, programs, PARTIALS=AFFINE_PROGRAMS, **EXACT)
-    _quantize_affine_kernel[(programs,)](x, partials, q, scale, zero_point, n, channels, programs,
-                                         PARTIALS=AFFINE_PROGRAMS, **EXACT)  # fmt: skip
+    if not channels_last:
+        q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+        _quantize_affine_kernel[(programs,)](x, partials, q, scale, zero_point, n, channels, programs,
+                                             PARTIALS=AFFINE_PROGRAMS, **EXACT)  # fmt: skip
+        return q, zero_point, scale
+    b, c, h, w = x.shape
+    q = torch.empty((b, h, w, c), dtype=torch.int8, device=x.device)
+    grid = lambda meta: (triton.cdiv(h * w, meta["BLOCK_P"]), triton.cdiv(c, meta["BLOCK_C"]), b)  # noqa: E731
+    _quantize_affine_nhwc_kernel[grid](x, partials, q, scale, zero_point, c, h * w, programs,
+                                       PARTIALS=AFFINE_PROGRAMS, **EXACT)  # fmt: skip
     return q, zero_point, scale
 
 
@@ -402,3 +500,34 @@ def conv2d_int8(x_q: torch.Tensor, x_zero_point: torch.Tensor, x_scale: torch.Te
         KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_N=block_n, **EXACT,
     )  # fmt: skip
     return out
+
+
+def conv2d_int8_nhwc(x_q: torch.Tensor, x_zero_point: torch.Tensor, x_scale: torch.Tensor, w_rows: torch.Tensor,
+                     col_sum: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
+                     padding: list[int], dilation: list[int], groups: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """`conv2d_int8` on channels-last int8 activations `x_q` [B, H, W, C_in] (`quantize_affine(x,
+    channels_last=True)`) and the weight as [C_out, KH, KW, C_in/groups] rows (`nhwc_conv_rows`); NCHW output in
+    `dtype`, equal to `conv2d_int8`'s bit for bit."""
+    _require()
+    x_q = x_q.contiguous()
+    b, h, w, c_in = x_q.shape
+    c_out, kh, kw, c_in_g = w_rows.shape
+    _, _, h_out, w_out = conv_output_shape((b, c_in, h, w), (c_out, c_in_g, kh, kw), stride, padding, dilation)
+    out = torch.empty((b, c_out, h_out, w_out), dtype=dtype, device=x_q.device)
+    c_out_g = c_out // groups
+    block_n = 128 if c_out_g > 64 else max(16, triton.next_power_of_2(c_out_g))
+    grid = lambda meta: (triton.cdiv(b * h_out * w_out, meta["BLOCK_M"]), triton.cdiv(c_out_g, block_n), groups)  # noqa: E731
+    w_scale32 = w_scale.to(torch.float32).contiguous()
+    _conv2d_int8_nhwc_kernel[grid](
+        x_q, w_rows, col_sum, w_scale32, w_scale32 if bias is None else bias.contiguous(), out,
+        x_zero_point, x_scale,
+        b, c_in, h, w, c_out, h_out, w_out, c_in_g, c_out_g,
+        stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
+        KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_N=block_n, **EXACT,
+    )  # fmt: skip
+    return out
+
+
+def nhwc_conv_rows(q_weight: torch.Tensor) -> torch.Tensor:
+    """int8 [C_out, C_in/g, KH, KW] -> the [C_out, KH, KW, C_in/g] rows `conv2d_int8_nhwc` reads (a new tensor)."""
+    return q_weight.permute(0, 2, 3, 1).contiguous()

@@ -199,7 +199,7 @@ BENCH=("$PY" bench/bench_gpu.py)
 [ "$DRY" = 1 ] && BENCH+=(--dry-run)
 # One stage per whole model, so a slow SDXL cannot take the Flux model's time; the rows each writes stay in its
 # file when it is cut.
-run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-35}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
+run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-60}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
   --out "$OUT/gpu_int8_breakdown.md"
 run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-110}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
   ${GPU_RUN_SDXL_VARIANTS:+--variants "$GPU_RUN_SDXL_VARIANTS"} --out "$OUT/gpu_models_sdxl.md"

@@ -40,10 +40,16 @@ def test_int8_layers_re_prepare_after_an_in_place_lora(backend, int8_modules, of
         assert not torch.equal(layer(x), y)
 
 
+@pytest.mark.parametrize("conv_layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("backend", GPU_PATH)
-def test_a_forward_after_preparation_builds_no_derived_weight(backend, int8_modules, off_cpu_cache):
-    """Padded rows and column sums are built when a layer is prepared (built, requantized, or moved to its device
-    and refreshed), never inside a call, where a CUDA-graph warm-up or capture may be running."""
+def test_a_forward_after_preparation_builds_no_derived_weight(backend, conv_layout, int8_modules, off_cpu_cache,
+                                                              monkeypatch):  # fmt: skip
+    """Padded rows, column sums and the channels-last conv's weight rows are built when a layer is prepared (built,
+    requantized, or moved to its device and refreshed), never inside a call, where a CUDA-graph warm-up or capture
+    may be running."""
+    if backend != "triton" and conv_layout != "nchw":
+        pytest.skip("the conv layout is the triton backend's choice")
+    monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", conv_layout)
     torch.manual_seed(0)
     with force_kernel_backend(backend):
         built = sum(CACHE.builds.values())

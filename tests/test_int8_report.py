@@ -281,9 +281,10 @@ def test_the_report_says_which_timings_other_work_disturbed():
     assert "re-measured" not in speed_line(quiet) and "noisy" not in speed_line(quiet)
 
 
-def test_a_decision_timed_on_one_linear_gemm_is_not_reused_for_the_other(monkeypatch):
-    """The calibration cache's key names the triton backend's Linear GEMM (INT8_ACCEL_TRITON_LINEAR): the speed gate
-    timed that one, so a decision cached with torch._int_mm is not read back for the fused Triton GEMM."""
+def test_a_decision_timed_on_one_triton_kernel_is_not_reused_for_another(monkeypatch):
+    """The calibration cache's key names the triton backend's Linear GEMM (INT8_ACCEL_TRITON_LINEAR) and conv
+    kernel (INT8_ACCEL_TRITON_CONV): the speed gate timed those, so a decision cached with torch._int_mm is not read
+    back for the fused Triton GEMM, nor one timed on the NCHW conv for the channels-last one."""
     from comfyui_int8_accel.kernels import force_kernel_backend
     from comfyui_int8_accel.nodes.int8.calibration import calibration_key
 
@@ -294,8 +295,22 @@ def test_a_decision_timed_on_one_linear_gemm_is_not_reused_for_the_other(monkeyp
     keys = {}
     for backend in ("triton", "cuda"):
         for gemm in ("int-mm", "fused"):
-            monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", gemm)
-            with force_kernel_backend(backend):
-                keys[backend, gemm] = calibration_key("fingerprint", QuantizeSettings(), x)
-    assert keys["triton", "int-mm"] != keys["triton", "fused"]
-    assert keys["cuda", "int-mm"] == keys["cuda", "fused"]  # the choice is the triton backend's alone
+            for conv in ("nchw", "nhwc"):
+                monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", gemm)
+                monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", conv)
+                with force_kernel_backend(backend):
+                    keys[backend, gemm, conv] = calibration_key("fingerprint", QuantizeSettings(), x)
+    assert len({key for (backend, _, _), key in keys.items() if backend == "triton"}) == 4
+    assert len({key for (backend, _, _), key in keys.items() if backend == "cuda"}) == 1  # the triton backend's alone
+
+
+def test_the_summary_names_the_triton_kernels_that_ran():
+    from comfyui_int8_accel.nodes.int8.report import summary_line
+
+    result = CalibrationResult(key="k", shape=[1, 4, 128, 128], layers=[], kernel_backend="triton", weight_bits=8,
+                               linear_gemm="fused", conv_layout="nhwc")
+    assert "triton kernel backend (fused Linear GEMM, nhwc conv), 8-bit weights" in summary_line(result, False)
+    cpu = CalibrationResult(key="k", shape=[1, 4, 128, 128], layers=[], kernel_backend="cpu", weight_bits=7)
+    assert "cpu kernel backend, 7-bit weights" in summary_line(cpu, False)
+    restored = CalibrationResult.from_json(result.to_json())  # the calibration cache keeps them
+    assert (restored.linear_gemm, restored.conv_layout) == ("fused", "nhwc")

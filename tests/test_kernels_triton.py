@@ -256,7 +256,7 @@ def test_every_autotuned_kernel_times_its_candidates_briefly(tk, monkeypatch):
     from triton.runtime.autotuner import Autotuner
 
     kernels = [k for k in vars(tk).values() if isinstance(k, Autotuner)]
-    assert len(kernels) == 6
+    assert len(kernels) == 8
     for kernel in kernels:
         bench = getattr(kernel, "_do_bench", None)
         if bench is None:  # Triton 3.0: warmup / rep
@@ -303,15 +303,71 @@ def test_linear_triton_equals_cuda_backend(tk, x_shape, n, bias, dtype, bits):
     [((1, 64, 16, 16), 64, 3, 1, 1, 1, 1, True), ((2, 32, 15, 13), 48, 3, 2, 1, 1, 1, False),
      ((1, 64, 12, 12), 128, 1, 1, 0, 1, 1, True), ((1, 32, 10, 10), 32, 3, 1, 2, 2, 2, True)],
 )  # fmt: skip
-def test_conv_triton_equals_cuda_backend(tk, x_shape, cout, kernel, stride, padding, dilation, groups, bias, bits):
+def test_conv_triton_equals_cuda_backend(tk, monkeypatch, x_shape, cout, kernel, stride, padding, dilation, groups,
+                                        bias, bits):  # fmt: skip
+    """Both conv kernels (INT8_ACCEL_TRITON_CONV): the implicit GEMM on NCHW int8 activations and the one on
+    channels-last activations, each equal to the cuda backend bit for bit."""
     q, s, b = weights((cout, x_shape[1] // groups, kernel, kernel), bits)
     b = b if bias else None
     x = torch.randn(*x_shape).relu() - 0.2  # asymmetric range: a non-trivial zero point
-    outs = by_backend(int8_conv2d, x, q, s, b, stride, padding, dilation, groups)
-    y = outs["triton"]
-    assert y.shape == outs["reference"].shape and y.is_contiguous()
-    assert torch.equal(y, outs["cuda"])  # exact int32 accumulation incl. zero-point correction at the borders
-    assert normalized_mse(y, outs["reference"]) < 1e-12
+    for layout in ("nchw", "nhwc"):
+        monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", layout)
+        outs = by_backend(int8_conv2d, x, q, s, b, stride, padding, dilation, groups)
+        y = outs["triton"]
+        assert y.shape == outs["reference"].shape and y.is_contiguous()
+        assert torch.equal(y, outs["cuda"]), layout  # exact int32 accumulation incl. zero-point correction at borders
+        assert normalized_mse(y, outs["reference"]) < 1e-12
+
+
+@pytest.mark.parametrize("x_shape,cout,kernel,padding,groups", [
+    ((2, 4, 9, 7), 20, 3, 1, 1),  # 4 input channels: one partial channel block per tap
+    ((1, 160, 6, 5), 24, 3, 1, 2),  # 80 channels per group: a full block and a partial one
+    ((1, 12, 8, 8), 12, 1, 0, 3)])  # fmt: skip
+def test_channels_last_conv_handles_partial_channel_blocks(tk, monkeypatch, x_shape, cout, kernel, padding, groups):
+    """The channels-last kernel reduces along the channels of each tap in blocks: a group's channels that do not
+    fill the last block meet zero weights, whatever the activations hold there."""
+    q, s, b = weights((cout, x_shape[1] // groups, kernel, kernel), 8)
+    x = (torch.randn(*x_shape).relu() - 0.4).half()
+    monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", "nhwc")
+    outs = by_backend(int8_conv2d, x, q, s, b, 1, padding, 1, groups)
+    assert outs["triton"].dtype == torch.float16 and torch.equal(outs["triton"], outs["cuda"])
+
+
+def test_channels_last_quantizer_writes_the_nchw_quantizer_s_values_transposed(tk):
+    x = (torch.randn(2, 24, 13, 11).relu() - 0.3).half()
+    q, zero_point, scale = tk.quantize_affine(x)
+    q_last, zero_point_last, scale_last = tk.quantize_affine(x, channels_last=True)
+    assert q_last.shape == (2, 13, 11, 24) and q_last.is_contiguous()
+    assert torch.equal(q_last, q.permute(0, 2, 3, 1))
+    assert torch.equal(zero_point_last, zero_point) and torch.equal(scale_last, scale)
+
+
+def test_the_conv_kernel_is_nchw_unless_forced_and_an_unknown_choice_is_refused(tk, monkeypatch):
+    """The channels-last kernel has not run on a GPU yet: it is chosen only where INT8_ACCEL_TRITON_CONV says so."""
+    from triton.runtime.autotuner import Autotuner
+
+    from comfyui_int8_accel.kernels import triton_backend
+
+    for unset in ("", "auto"):
+        monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", unset)
+        assert triton_backend.conv_layout(torch.device("cuda", 0)) == "nchw"
+    monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", "nhwc")
+    assert triton_backend.conv_layout(torch.device("cuda", 0)) == "nhwc"
+    launches = []
+    autotuned_run = Autotuner.run
+
+    def counting_run(self, *args, **kwargs):
+        launches.append(self.base_fn.__name__)
+        return autotuned_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Autotuner, "run", counting_run)
+    q, s, b = weights((16, 24, 3, 3), 8)
+    with force_kernel_backend("triton"):
+        int8_conv2d(torch.randn(1, 24, 6, 6), q, s, b, 1, 1)
+    assert launches == ["_affine_range_kernel", "_quantize_affine_nhwc_kernel", "_conv2d_int8_nhwc_kernel"]
+    monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", "cudnn")
+    with force_kernel_backend("triton"), pytest.raises(ValueError, match="auto, nchw, nhwc"):
+        int8_conv2d(torch.randn(1, 24, 6, 6), q, s, b, 1, 1)
 
 
 @pytest.mark.parametrize("check", OFFSET_CHECKS, ids=lambda check: check.__name__)

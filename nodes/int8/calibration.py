@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ...kernels import content_checksum, kernel_backend_for, weight_bits
-from ...kernels.triton_backend import linear_gemm
+from ...kernels.triton_backend import conv_layout, linear_gemm
 from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
 from .speed import NOISY, Timing
@@ -86,6 +86,7 @@ class CalibrationResult:
     created: float = field(default_factory=time.time)
     weight_bits: int = 0  # width of the INT8 weights (8, or 7 on CPUs without VNNI); 0: not recorded
     linear_gemm: str = ""  # the triton kernel backend's Linear GEMM ("fused" / "int-mm"); "" for the others
+    conv_layout: str = ""  # the triton kernel backend's conv kernel ("nchw" / "nhwc"); "" for the others
     model_guard: dict = field(default_factory=dict)  # when the whole-model guard acted: limit, error_before, rounds
 
     @property
@@ -119,7 +120,8 @@ class CalibrationResult:
                    kernel_calls=data.get("kernel_calls", {}),
                    memory=data.get("memory", {}), left_to_core=data.get("left_to_core", {}),
                    created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0),
-                   linear_gemm=data.get("linear_gemm", ""), model_guard=data.get("model_guard", {}))
+                   linear_gemm=data.get("linear_gemm", ""), conv_layout=data.get("conv_layout", ""),
+                   model_guard=data.get("model_guard", {}))
 
 
 # The whole-model guard. Each layer's error gate judges the layer alone; a few layers each under the threshold can
@@ -246,10 +248,16 @@ def linear_gemm_for(device: torch.device) -> str:
     return linear_gemm(device) if kernel_backend_for(device) == "triton" else ""
 
 
+def conv_layout_for(device: torch.device) -> str:
+    """The conv kernel of the kernel backend serving `device`: the triton backend's choice, "" for the others."""
+    return conv_layout(device) if kernel_backend_for(device) == "triton" else ""
+
+
 def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tensor) -> str:
     """Key of a decision: the weights and patches, the settings, the latent's size and dtype, and what runs the
     INT8 layers (device, kernel backend, weight width) and whether the speed gate decided: a decision measured on
     one is not reused on another."""
     text = json.dumps([CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
-                       x.device.type, kernel_backend_for(x.device), linear_gemm_for(x.device), weight_bits(x.device), speed_gate_enabled()])
+                       x.device.type, kernel_backend_for(x.device), linear_gemm_for(x.device), conv_layout_for(x.device),
+                       weight_bits(x.device), speed_gate_enabled()])
     return hashlib.sha256(text.encode()).hexdigest()[:32]

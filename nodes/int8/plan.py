@@ -47,6 +47,7 @@ from .calibration import (
     LayerMeasurement,
     bypass_fingerprint,
     calibration_key,
+    conv_layout_for,
     decide,
     guard_round,
     linear_gemm_for,
@@ -505,7 +506,8 @@ class Int8Plan:
                                    kernel_backend=kernel_backend_for(args[0].device),
                                    kernel_backend_fallback=kernel_backend_fallback(args[0].device),
                                    left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device),
-                                   linear_gemm=linear_gemm_for(args[0].device))
+                                   linear_gemm=linear_gemm_for(args[0].device),
+                                   conv_layout=conv_layout_for(args[0].device))
         chosen = set(result.chosen)
         copies.modules = {name: module for name, module in copies.modules.items() if name in chosen}
         self._uncount_dropped(base_model)

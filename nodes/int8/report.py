@@ -41,7 +41,9 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
         parts.append(f"memory +{result.memory.get('int8_bytes', 0) / MIB:.1f} MiB")
     bits = f", {result.weight_bits}-bit weights" if result.weight_bits else ""
     passed_over = "".join(f" ({name} unavailable)" for name in result.kernel_backend_fallback)
-    gemm = f" ({result.linear_gemm} Linear GEMM)" if result.linear_gemm else ""
+    kernels = [f"{result.linear_gemm} Linear GEMM"] if result.linear_gemm else []
+    kernels += [f"{result.conv_layout} conv"] if result.conv_layout else []
+    gemm = f" ({', '.join(kernels)})" if kernels else ""
     parts.append(f"{result.kernel_backend or 'unknown'} kernel backend{gemm}{bits}{passed_over}")
     parts.append("from the calibration cache" if from_cache else f"calibrated now ({result.seconds:.1f} s)")
     return " · ".join(parts)

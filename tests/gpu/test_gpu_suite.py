@@ -154,6 +154,29 @@ def test_fused_linear_gemm_matches_its_definition_and_the_int_mm_path(monkeypatc
     assert torch.equal(fused, int_mm)
 
 
+@pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}")
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize(
+    "x_shape,cout,kernel,stride,padding,groups",
+    [((2, 320, 32, 32), 320, 3, 1, 1, 1), ((2, 4, 32, 32), 320, 3, 1, 1, 1), ((1, 640, 16, 16), 640, 3, 2, 1, 1),
+     ((2, 1280, 8, 8), 1280, 1, 1, 0, 1), ((1, 64, 20, 20), 64, 3, 1, 1, 4)],
+)  # fmt: skip
+def test_channels_last_conv_matches_its_definition_and_the_nchw_kernel(monkeypatch, x_shape, cout, kernel, stride,
+                                                                       padding, groups, dtype):  # fmt: skip
+    """INT8_ACCEL_TRITON_CONV=nhwc, compiled for this GPU: exact against the definition and bit-equal to the NCHW
+    kernel."""
+    q, s, b = weights((cout, x_shape[1] // groups, kernel, kernel), 8)
+    x = lossless_image(x_shape, dtype)
+    args = (q, s, b.to(dtype), [stride] * 2, [padding] * 2, [1, 1], groups)
+    monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", "nchw")
+    nchw = run_on_backend("triton", int8_conv2d, x, *args)
+    monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", "nhwc")
+    nhwc = run_on_backend("triton", int8_conv2d, x, *args)
+    assert nhwc.dtype == dtype and nhwc.is_contiguous()
+    assert torch.equal(nhwc, conv_by_definition(x, q, s, b.to(dtype), stride, padding, groups))
+    assert torch.equal(nhwc, nchw)
+
+
 @pytest.mark.parametrize("bits", [7, 8])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize(

@@ -41,6 +41,22 @@ def conv_reads_a_batch_past_2_31_elements(tk: ModuleType, device: torch.device) 
     assert torch.equal(y.view(2, 2), expected)
 
 
+def channels_last_conv_reads_a_batch_past_2_31_elements(tk: ModuleType, device: torch.device) -> None:
+    """The channels-last conv on a [2, 65536, 65536, 1] input: batch 1 starts 2**32 elements in, as above."""
+    side = 65536
+    x_q = _large(2 * side * side, torch.int8, device).view(2, side, side, 1)
+    x_q[0, 0, 0, 0], x_q[1, 0, 0, 0] = 10, -20
+    w_rows = torch.tensor([3, -5], dtype=torch.int8, device=device).view(2, 1, 1, 1)
+    col_sum = w_rows.view(2, 1).sum(1, dtype=torch.int32)
+    w_scale = torch.tensor([0.5, 0.25], device=device)
+    zero_point = torch.zeros((), dtype=torch.int32, device=device)
+    scale = torch.tensor(0.125, device=device)
+    y = tk.conv2d_int8_nhwc(x_q, zero_point, scale, w_rows, col_sum, w_scale, None, [side, side], [0, 0], [1, 1], 1,
+                            torch.float32)  # fmt: skip
+    expected = torch.tensor([10.0, -20.0], device=device)[:, None] * (w_rows.view(1, 2) * 0.125 * w_scale)
+    assert torch.equal(y.view(2, 2), expected)
+
+
 def row_quantizer_reads_rows_past_2_31_elements(tk: ModuleType, device: torch.device) -> None:
     """Rows 2**30 elements apart: row 2 starts 2**31 in, where an int32 offset wraps to -2**31 (still inside this
     storage, which begins 2**31 elements before x)."""
@@ -77,5 +93,5 @@ def rescale_writes_rows_past_2_31_elements(tk: ModuleType, device: torch.device)
     assert bool((storage[:n] == -1.0).all())
 
 
-OFFSET_CHECKS = [conv_reads_a_batch_past_2_31_elements, row_quantizer_reads_rows_past_2_31_elements,
-                 rescale_writes_rows_past_2_31_elements]
+OFFSET_CHECKS = [conv_reads_a_batch_past_2_31_elements, channels_last_conv_reads_a_batch_past_2_31_elements,
+                 row_quantizer_reads_rows_past_2_31_elements, rescale_writes_rows_past_2_31_elements]
