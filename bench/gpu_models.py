@@ -318,8 +318,16 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
         torch.cuda.empty_cache()
 
 
+def chosen_variants(names: list[str]) -> tuple[Variant, ...]:
+    """The reference (plain bf16) first, then the variants named, in the order named (a cut stage keeps the first)."""
+    by_name = {variant.name: variant for variant in VARIANTS}
+    rest = [by_name[name] for name in dict.fromkeys(names) if name != VARIANTS[0].name]
+    return (VARIANTS[0], *rest)
+
+
 def run_models(families: list[str], out: Path, dry: bool, variant_names: list[str] | None = None) -> int:
-    """`variant_names`: a subset of VARIANTS by name (default all); plain bf16 always runs first, as the reference.
+    """`variant_names`: a subset of VARIANTS by name, run in the order given (default all, in VARIANTS' order); plain
+    bf16 always runs first, as the reference.
     A name that is no variant's stops the run before anything is built (GPU time is scarce)."""
     unknown = sorted(set(variant_names or ()) - {v.name for v in VARIANTS})
     if unknown:
@@ -350,8 +358,7 @@ def run_models(families: list[str], out: Path, dry: bool, variant_names: list[st
                         "- INT8 calls: INT8 kernel calls during the timed run (0 means no layer ran INT8).",
                         "- Random weights: PSNR shows how far a variant strays on these networks, not the "
                         "quality a trained model keeps."])  # fmt: skip
-    chosen = VARIANTS if not variant_names else tuple(
-        v for v in VARIANTS if v is VARIANTS[0] or v.name in variant_names)
+    chosen = VARIANTS if not variant_names else chosen_variants(variant_names)
     for family in families:
         bench_family(FAMILIES[family], table, device, dry, chosen)
     return 0

@@ -67,3 +67,25 @@ def test_layer_variants_are_prepared_before_timing_and_compared_like_with_like(p
                 prepared = CACHE.builds.copy()
                 call()
                 assert CACHE.builds == prepared, f"{kind} {variant}: weights built while timed"
+
+
+def test_the_whole_model_bench_runs_the_variants_asked_for_in_that_order(pack, tmp_path, capsys, monkeypatch):
+    """GPU time is scarce: `--variants` names what a stage runs and in which order (a stage cut at its limit keeps
+    the first rows), plain bf16 always first as the reference; a name the bench does not know stops the stage
+    before any model is built. The dry run: tiny models on the CPU."""
+    import importlib
+
+    from harness.comfy_host import REPO_ROOT
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))  # as bench_gpu.py imports it
+    gpu_models = importlib.import_module("gpu_models")
+    asked = ["Quantize Model (INT8), channels-last conv", "DeepCache", "plain bf16", "DeepCache"]
+    assert [v.name for v in gpu_models.chosen_variants(asked)] == [
+        "plain bf16", "Quantize Model (INT8), channels-last conv", "DeepCache"]
+    out = tmp_path / "sdxl.md"
+    assert gpu_models.run_models(["sdxl"], out, dry=True, variant_names=asked[:2]) == 0
+    rows = [line.split(" | ")[0].lstrip("| ") for line in out.read_text().splitlines() if line.startswith("| ")][1:]
+    assert rows == ["plain bf16", "Quantize Model (INT8), channels-last conv", "DeepCache"]
+    typo = tmp_path / "typo.md"
+    assert gpu_models.run_models(["sdxl"], typo, dry=True, variant_names=["DeepCache", "Deep Cache"]) == 2
+    assert not typo.exists() and "no variant named 'Deep Cache'" in capsys.readouterr().out
