@@ -85,24 +85,38 @@ def converts_itself(patch: Callable) -> bool:
     return getattr(patch, "convert_func", None) is not None and _calls_convert_func(type(patch))
 
 
+_ABSENT = object()
+
+
+def plain_attribute(module: torch.nn.Module, name: str, default=None):
+    """`getattr(module, name, default)` for an attribute ComfyUI sets as a plain one (patch lists, cast flags, the
+    VBAR slot), on the instance or its class. Checked on every layer call: an absent one costs a dict lookup here,
+    where `getattr` goes through `nn.Module.__getattr__` and an AttributeError (microseconds per layer call)."""
+    value = module.__dict__.get(name, _ABSENT)
+    return getattr(type(module), name, default) if value is _ABSENT else value
+
+
+_PATCH_LISTS = tuple((f"{name}_lowvram_function", f"{name}_function") for name in PARAMETERS)
+
+
 def has_weight_patches(module: torch.nn.Module) -> bool:
     """True when ComfyUI left per-forward weight patches on `module` (LoRA or weight wrappers of any contract).
     Entries that pass their tensor through unchanged (`passes_through`, such as the pack's own bookkeeping
     markers) change no weight and are not patches."""
-    return any(getattr(module, f"{name}_lowvram_function", None)
-               or any(not getattr(entry, "passes_through", False) for entry in getattr(module, f"{name}_function", ()) or ())
-               for name in PARAMETERS)
+    return any(plain_attribute(module, lowvram)
+               or any(not getattr(entry, "passes_through", False) for entry in plain_attribute(module, listed, ()) or ())
+               for lowvram, listed in _PATCH_LISTS)
 
 
 def patches_in_forward(module: torch.nn.Module) -> bool:
     """True when ComfyUI casts or patches this layer's weights inside its forward (offloaded, low-VRAM or dynamic
     VRAM LoRA)."""
-    return bool(getattr(module, "comfy_cast_weights", False)) or has_weight_patches(module)
+    return bool(plain_attribute(module, "comfy_cast_weights", False)) or has_weight_patches(module)
 
 
 def uses_vbar_cast(module: torch.nn.Module) -> bool:
     """True when dynamic VRAM streams this layer's weights through the VBAR cast path (it holds a VBAR slot)."""
-    return hasattr(module, "_v")
+    return plain_attribute(module, "_v", _ABSENT) is not _ABSENT
 
 
 def bypass_hook(module: torch.nn.Module):
@@ -176,10 +190,10 @@ def patched_parameter(module: torch.nn.Module, name: str, stored: torch.Tensor |
             tensor, in_real_units = to_real_units(tensor), True
         return tensor
 
-    lowvram = getattr(module, f"{name}_lowvram_function", None)
+    lowvram = plain_attribute(module, f"{name}_lowvram_function")
     if lowvram is not None:
         value = lowvram(real(value))
-    for patch in getattr(module, f"{name}_function", None) or ():
+    for patch in plain_attribute(module, f"{name}_function") or ():
         if not in_real_units and converts_itself(patch):
             value, in_real_units = patch(value), True
         else:
