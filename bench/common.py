@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,3 +178,18 @@ def result_name(stem: str) -> str:
     from comfyui_int8_accel.kernels.quant import cpu_has_int8_dot_product
 
     return stem if cpu_has_int8_dot_product() else f"{stem}_no_vnni"
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Environment variables set to `values` while inside; afterwards each has its earlier value again, or is unset."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

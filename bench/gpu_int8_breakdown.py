@@ -16,11 +16,9 @@ Writes the table to --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,30 +28,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench_gpu import median_ms  # noqa: E402
+from common import environment  # noqa: E402
 
 LINEAR_SHAPES = [(8192, 640, 640), (2048, 1280, 1280), (2048, 1280, 10240), (4608, 3072, 3072),
                  (4608, 3072, 12288), (4608, 12288, 3072)]  # fmt: skip
 CONV_SHAPES = [(2, 320, 128, 128, 320), (2, 640, 64, 64, 640), (2, 1280, 32, 32, 1280)]
-
-
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """The kernels' environment variables (`kernels.environment` names, without the prefix) set while inside."""
-    from comfyui_int8_accel.kernels import environment as names
-
-    saved = {}
-    for key, value in values.items():
-        name = getattr(names, key)
-        saved[name] = os.environ.get(name)
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def median_us(fn: Callable[[], object], reps: int = 30) -> float:
@@ -112,6 +91,7 @@ def main() -> int:
     from comfyui_int8_accel import kernels
     from comfyui_int8_accel.kernels import cuda as cuda_backend
     from comfyui_int8_accel.kernels import triton_backend, triton_kernels
+    from comfyui_int8_accel.kernels.environment import TRITON_CONV
 
     dtype = getattr(torch, args.dtype)
     dev = torch.device("cuda")
@@ -171,7 +151,7 @@ def main() -> int:
             conv_args = (sums, s, b, [1, 1], [1, 1], [1, 1], 1, dtype)
 
             def int8_op(layout: str) -> float:
-                with environment(TRITON_CONV=layout):
+                with environment({TRITON_CONV: layout}):
                     return median_us(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1))
 
             cells = [f"{median_us(lambda: F.conv2d(x, w, b, 1, 1)):.1f}",
@@ -180,12 +160,12 @@ def main() -> int:
                      f"{median_us(lambda: triton_kernels.conv2d_int8(xq, zp, xs, q, *conv_args)):.1f} / "
                      f"{median_us(lambda: triton_kernels.conv2d_int8_nhwc(xq_last, zp, xs, rows, *conv_args)):.1f}",
                      f"{int8_op('nchw'):.1f} / {int8_op('nhwc'):.1f}"]
-            with environment(TRITON_CONV="nchw"):
+            with environment({TRITON_CONV: "nchw"}):
                 host = (host_us(lambda: F.conv2d(x, w, b, 1, 1)),
                         host_us(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1)))
             lines.append(f"| {bsz}x{cin}x{h}x{w_}x{cout} | " + " | ".join(cells) + f" | {host[0]:.1f} / {host[1]:.1f} |")
             for layout in ("nchw", "nhwc"):
-                with environment(TRITON_CONV=layout):
+                with environment({TRITON_CONV: layout}):
                     kernels_seen.append(f"- conv {bsz}x{cin}x{h}x{w_}x{cout} ({layout}): "
                                         f"{kernel_list(lambda: kernels.int8_conv2d(x, q, s, b, 1, 1))}")
         except Exception as exc:  # noqa: BLE001

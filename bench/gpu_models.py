@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import psnr
+from common import environment, psnr
 
 STEPS = 20
 SIZE = 1024
@@ -270,33 +270,27 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
     reference: Run | None = None
     for variant in variants:
         model = one_off = None
-        saved_env = {name: os.environ.get(name) for name, _ in variant.env}
-        os.environ.update(dict(variant.env))
         try:
-            new_base = variant.dtype not in bases
-            model = _apply(base(variant.dtype), variant)
-            if new_base:
-                one_off = built[variant.dtype]
-            if variant.compile:
-                warm = _sample(model, family, 3, size, device, dry)
-                one_off = f"{warm.seconds:.1f} (compile warm-up, 3 steps)"
-            elif variant.int8:
-                warm = _sample(model, family, 1, size, device, dry)
-                one_off = f"{warm.seconds:.1f} (first step, calibration included)"
-            else:  # cuBLAS and the allocator warm, outside the timing
-                _sample(model, family, 1, size, device, dry)
-            idle = sum(_weight_bytes(other) for dtype, other in bases.items() if dtype != variant.dtype)
-            run = _timed(model, family, steps, size, device, dry, idle)
+            with environment(dict(variant.env)):
+                new_base = variant.dtype not in bases
+                model = _apply(base(variant.dtype), variant)
+                if new_base:
+                    one_off = built[variant.dtype]
+                if variant.compile:
+                    warm = _sample(model, family, 3, size, device, dry)
+                    one_off = f"{warm.seconds:.1f} (compile warm-up, 3 steps)"
+                elif variant.int8:
+                    warm = _sample(model, family, 1, size, device, dry)
+                    one_off = f"{warm.seconds:.1f} (first step, calibration included)"
+                else:  # cuBLAS and the allocator warm, outside the timing
+                    _sample(model, family, 1, size, device, dry)
+                idle = sum(_weight_bytes(other) for dtype, other in bases.items() if dtype != variant.dtype)
+                run = _timed(model, family, steps, size, device, dry, idle)
         except Exception as exc:  # noqa: BLE001 - one variant failing is reported; the others still run
             table.row([variant.name, f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}",
                        *["-"] * (len(Table.HEADER) - 2)])
             continue
         finally:
-            for name, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
             gc.collect()
         if reference is None:
             reference = run

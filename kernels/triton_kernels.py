@@ -180,6 +180,37 @@ if AVAILABLE:
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         tl.store(out_ptr + (rows64 * stride_om)[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _conv_tile(B, H_out, W_out, C_out_g, stride_h, stride_w, pad_h, pad_w, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+        # An implicit-GEMM conv program's tile: rows m = (b, oh, ow) of the output, columns n = output channels of
+        # the group. Returns the rows' mask, image and pixel, the input row and column under each row's first
+        # tap, and the columns' output channels and mask.
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        b_idx = offs_m // (H_out * W_out)
+        pix = offs_m % (H_out * W_out)
+        ih0 = (pix // W_out) * stride_h - pad_h
+        iw0 = (pix % W_out) * stride_w - pad_w
+        co = tl.program_id(2) * C_out_g + offs_n
+        return offs_m < B * H_out * W_out, b_idx, pix, ih0, iw0, co, offs_n < C_out_g
+
+    @triton.jit
+    def _conv_epilogue(acc, m_mask, b_idx, pix, co, n_mask, x_zero_point, x_scale, col_sum_ptr, w_scale_ptr, bias_ptr,
+                       out_ptr, C_out, H_out, W_out, HAS_BIAS: tl.constexpr):  # fmt: skip
+        # Removes the activation zero point exactly (in int32, through the weight column sums), rescales, adds the
+        # bias and stores the NCHW output in its dtype.
+        col_sum = tl.load(col_sum_ptr + co, mask=n_mask, other=0)
+        acc = acc - x_zero_point * col_sum[None, :]
+        w_scale = tl.load(w_scale_ptr + co, mask=n_mask, other=0.0)
+        y = acc.to(tl.float32) * (x_scale * w_scale)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + co, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_rows = b_idx.to(tl.int64) * C_out * (H_out * W_out) + pix
+        out_cols = co.to(tl.int64) * (H_out * W_out)
+        tl.store(out_ptr + out_rows[:, None] + out_cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+
     @_autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_K": 64}, 4), [
         ({"BLOCK_M": 64, "BLOCK_K": 32}, 4), ({"BLOCK_M": 64, "BLOCK_K": 64}, 4),
         ({"BLOCK_M": 128, "BLOCK_K": 32}, 4), ({"BLOCK_M": 128, "BLOCK_K": 64}, 8)]),
@@ -193,19 +224,9 @@ if AVAILABLE:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # Implicit GEMM: rows m = (b, oh, ow), columns n = output channel in the group, reduction k = (c, i, j).
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
         group = tl.program_id(2)
-        M = B * H_out * W_out
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = offs_m < M
-        n_mask = offs_n < C_out_g
-        b_idx = offs_m // (H_out * W_out)
-        pix = offs_m % (H_out * W_out)
-        ih0 = (pix // W_out) * stride_h - pad_h
-        iw0 = (pix % W_out) * stride_w - pad_w
-        co = group * C_out_g + offs_n
+        m_mask, b_idx, pix, ih0, iw0, co, n_mask = _conv_tile(B, H_out, W_out, C_out_g, stride_h, stride_w, pad_h,
+                                                               pad_w, BLOCK_M, BLOCK_N)  # fmt: skip
         # Element offsets in int64 (a video latent's batch passes 2**31 elements), split into a part per row (the
         # input element under the output pixel's first tap) and a part per column (channel and tap): per tile
         # only one int64 add per element. Indices (pixels, taps, channels) and the weight's offsets (C_out x K
@@ -232,15 +253,8 @@ if AVAILABLE:
             a = tl.where(inside, a, x_zero_point).to(tl.int8)
             w = tl.load(w_ptr + co[None, :] * K + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
             acc += tl.dot(a, w, out_dtype=tl.int32)
-        col_sum = tl.load(col_sum_ptr + co, mask=n_mask, other=0)
-        acc = acc - x_zero_point * col_sum[None, :]
-        w_scale = tl.load(w_scale_ptr + co, mask=n_mask, other=0.0)
-        y = acc.to(tl.float32) * (x_scale * w_scale)[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + co, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out_rows = b_idx.to(tl.int64) * C_out * (H_out * W_out) + pix
-        out_cols = co.to(tl.int64) * (H_out * W_out)
-        tl.store(out_ptr + out_rows[:, None] + out_cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        _conv_epilogue(acc, m_mask, b_idx, pix, co, n_mask, x_zero_point, x_scale, col_sum_ptr, w_scale_ptr, bias_ptr,
+                       out_ptr, C_out, H_out, W_out, HAS_BIAS)  # fmt: skip
 
 
     @triton.jit
@@ -346,19 +360,9 @@ if AVAILABLE:
         KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
         group = tl.program_id(2)
-        M = B * H_out * W_out
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = offs_m < M
-        n_mask = offs_n < C_out_g
-        b_idx = offs_m // (H_out * W_out)
-        pix = offs_m % (H_out * W_out)
-        ih0 = (pix // W_out) * stride_h - pad_h
-        iw0 = (pix % W_out) * stride_w - pad_w
-        co = group * C_out_g + offs_n
+        m_mask, b_idx, pix, ih0, iw0, co, n_mask = _conv_tile(B, H_out, W_out, C_out_g, stride_h, stride_w, pad_h,
+                                                               pad_w, BLOCK_M, BLOCK_N)  # fmt: skip
         channels = tl.arange(0, BLOCK_K)
         x_zero_point = tl.load(x_zero_point_ptr)
         x_scale = tl.load(x_scale_ptr)
@@ -380,15 +384,8 @@ if AVAILABLE:
                 w = tl.load(w_ptr + w_cols[None, :] + (tap * C_in_g + c)[:, None],
                             mask=c_mask[:, None] & n_mask[None, :], other=0)
                 acc += tl.dot(a, w, out_dtype=tl.int32)
-        col_sum = tl.load(col_sum_ptr + co, mask=n_mask, other=0)
-        acc = acc - x_zero_point * col_sum[None, :]
-        w_scale = tl.load(w_scale_ptr + co, mask=n_mask, other=0.0)
-        y = acc.to(tl.float32) * (x_scale * w_scale)[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + co, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out_rows = b_idx.to(tl.int64) * C_out * (H_out * W_out) + pix
-        out_cols = co.to(tl.int64) * (H_out * W_out)
-        tl.store(out_ptr + out_rows[:, None] + out_cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        _conv_epilogue(acc, m_mask, b_idx, pix, co, n_mask, x_zero_point, x_scale, col_sum_ptr, w_scale_ptr, bias_ptr,
+                       out_ptr, C_out, H_out, W_out, HAS_BIAS)  # fmt: skip
 
 
 def _require() -> None:
@@ -472,6 +469,30 @@ def gemm_rescale(a: torch.Tensor, q_weight: torch.Tensor, row_scale: torch.Tenso
     return out
 
 
+def _launch_conv(kernel, x_q: torch.Tensor, weight: torch.Tensor, image: tuple[int, int, int, int],
+                 geometry: tuple[int, int, int, int], extra: tuple, x_zero_point: torch.Tensor, x_scale: torch.Tensor,
+                 col_sum: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
+                 padding: list[int], dilation: list[int], groups: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """One of the conv kernels over NCHW `image` (B, C_in, H, W) and weight `geometry` (C_out, C_in/g, KH, KW), its
+    own extra size arguments after the shapes; the NCHW output in `dtype`."""
+    b, c_in, h, w = image
+    c_out, c_in_g, kh, kw = geometry
+    _, _, h_out, w_out = conv_output_shape(image, geometry, stride, padding, dilation)
+    out = torch.empty((b, c_out, h_out, w_out), dtype=dtype, device=x_q.device)
+    c_out_g = c_out // groups
+    block_n = 128 if c_out_g > 64 else max(16, triton.next_power_of_2(c_out_g))
+    grid = lambda meta: (triton.cdiv(b * h_out * w_out, meta["BLOCK_M"]), triton.cdiv(c_out_g, block_n), groups)  # noqa: E731
+    w_scale32 = w_scale.to(torch.float32).contiguous()
+    kernel[grid](
+        x_q, weight, col_sum, w_scale32, w_scale32 if bias is None else bias.contiguous(), out,
+        x_zero_point, x_scale,
+        b, c_in, h, w, c_out, h_out, w_out, c_in_g, c_out_g, *extra,
+        stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
+        KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_N=block_n, **EXACT,
+    )  # fmt: skip
+    return out
+
+
 def conv2d_int8(x_q: torch.Tensor, x_zero_point: torch.Tensor, x_scale: torch.Tensor, q_weight: torch.Tensor,
                 col_sum: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, stride: list[int],
                 padding: list[int], dilation: list[int], groups: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
@@ -482,24 +503,11 @@ def conv2d_int8(x_q: torch.Tensor, x_zero_point: torch.Tensor, x_scale: torch.Te
     each output channel's weights."""
     _require()
     x_q = x_q.contiguous()
-    b, c_in, h, w = x_q.shape
     c_out, c_in_g, kh, kw = q_weight.shape
-    _, _, h_out, w_out = conv_output_shape(x_q.shape, q_weight.shape, stride, padding, dilation)
     k = c_in_g * kh * kw
     w2d = q_weight.reshape(c_out, k).contiguous()  # the weight's own memory for a contiguous weight
-    out = torch.empty((b, c_out, h_out, w_out), dtype=dtype, device=x_q.device)
-    c_out_g = c_out // groups
-    block_n = 128 if c_out_g > 64 else max(16, triton.next_power_of_2(c_out_g))
-    grid = lambda meta: (triton.cdiv(b * h_out * w_out, meta["BLOCK_M"]), triton.cdiv(c_out_g, block_n), groups)  # noqa: E731
-    w_scale32 = w_scale.to(torch.float32).contiguous()
-    _conv2d_int8_kernel[grid](
-        x_q, w2d, col_sum, w_scale32, w_scale32 if bias is None else bias.contiguous(), out,
-        x_zero_point, x_scale,
-        b, c_in, h, w, c_out, h_out, w_out, c_in_g, c_out_g, k,
-        stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
-        KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_N=block_n, **EXACT,
-    )  # fmt: skip
-    return out
+    return _launch_conv(_conv2d_int8_kernel, x_q, w2d, tuple(x_q.shape), tuple(q_weight.shape), (k,), x_zero_point,
+                        x_scale, col_sum, w_scale, bias, stride, padding, dilation, groups, dtype)  # fmt: skip
 
 
 def conv2d_int8_nhwc(x_q: torch.Tensor, x_zero_point: torch.Tensor, x_scale: torch.Tensor, w_rows: torch.Tensor,
@@ -512,20 +520,8 @@ def conv2d_int8_nhwc(x_q: torch.Tensor, x_zero_point: torch.Tensor, x_scale: tor
     x_q = x_q.contiguous()
     b, h, w, c_in = x_q.shape
     c_out, kh, kw, c_in_g = w_rows.shape
-    _, _, h_out, w_out = conv_output_shape((b, c_in, h, w), (c_out, c_in_g, kh, kw), stride, padding, dilation)
-    out = torch.empty((b, c_out, h_out, w_out), dtype=dtype, device=x_q.device)
-    c_out_g = c_out // groups
-    block_n = 128 if c_out_g > 64 else max(16, triton.next_power_of_2(c_out_g))
-    grid = lambda meta: (triton.cdiv(b * h_out * w_out, meta["BLOCK_M"]), triton.cdiv(c_out_g, block_n), groups)  # noqa: E731
-    w_scale32 = w_scale.to(torch.float32).contiguous()
-    _conv2d_int8_nhwc_kernel[grid](
-        x_q, w_rows, col_sum, w_scale32, w_scale32 if bias is None else bias.contiguous(), out,
-        x_zero_point, x_scale,
-        b, c_in, h, w, c_out, h_out, w_out, c_in_g, c_out_g,
-        stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
-        KH=kh, KW=kw, HAS_BIAS=bias is not None, BLOCK_N=block_n, **EXACT,
-    )  # fmt: skip
-    return out
+    return _launch_conv(_conv2d_int8_nhwc_kernel, x_q, w_rows, (b, c_in, h, w), (c_out, c_in_g, kh, kw), (),
+                        x_zero_point, x_scale, col_sum, w_scale, bias, stride, padding, dilation, groups, dtype)
 
 
 def nhwc_conv_rows(q_weight: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,22 @@ def tk():
     return module
 
 
+@pytest.fixture
+def launches(monkeypatch) -> list[str]:
+    """The names of the autotuned Triton kernels launched while the test runs, in order."""
+    from triton.runtime.autotuner import Autotuner
+
+    names: list[str] = []
+    autotuned_run = Autotuner.run
+
+    def counting_run(self, *args, **kwargs):
+        names.append(self.base_fn.__name__)
+        return autotuned_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Autotuner, "run", counting_run)
+    return names
+
+
 def weights(shape, bits: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(*shape, generator=g)
@@ -164,15 +180,14 @@ class _Ops(TorchDispatchMode):
 _INTERPRETER_TRANSFERS = {"detach", "new_empty", "set_", "copy_"}
 
 
-def test_conv_activation_quantization_is_two_launches_reading_x_once_each(tk, monkeypatch):
+def test_conv_activation_quantization_is_two_launches_reading_x_once_each(tk, monkeypatch, launches):
     """The triton conv quantizes its input with two Triton launches that allocate only their outputs (int8 x,
     0-d scale and zero point) and a small partial buffer: none of the torch formula's passes and float32
     copies (`quant.affine_qparams`, `quant.round_affine`)."""
-    from triton.runtime.autotuner import Autotuner
-
     q, s, b = weights((16, 24, 3, 3), 8)
     x = (torch.randn(2, 24, 13, 11).relu() - 0.3).half()
     expected = by_backend(int8_conv2d, x, q, s, b, 1, 1)["cuda"]
+    launches.clear()
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the triton backend ran the torch formula")
@@ -180,14 +195,6 @@ def test_conv_activation_quantization_is_two_launches_reading_x_once_each(tk, mo
     for module in (quant, cuda_backend):
         monkeypatch.setattr(module, "affine_qparams", forbidden)
         monkeypatch.setattr(module, "round_affine", forbidden)
-    launches = []
-    autotuned_run = Autotuner.run
-
-    def counting_run(self, *args, **kwargs):
-        launches.append(self.base_fn.__name__)
-        return autotuned_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(Autotuner, "run", counting_run)
     with force_kernel_backend("triton"), record_calls() as calls:
         y = int8_conv2d(x, q, s, b, 1, 1)
     assert calls == {("conv2d", "triton", "int8"): 1}
@@ -342,10 +349,8 @@ def test_channels_last_quantizer_writes_the_nchw_quantizer_s_values_transposed(t
     assert torch.equal(zero_point_last, zero_point) and torch.equal(scale_last, scale)
 
 
-def test_the_conv_kernel_is_nchw_unless_forced_and_an_unknown_choice_is_refused(tk, monkeypatch):
+def test_the_conv_kernel_is_nchw_unless_forced_and_an_unknown_choice_is_refused(tk, monkeypatch, launches):
     """The channels-last kernel has not run on a GPU yet: it is chosen only where INT8_ACCEL_TRITON_CONV says so."""
-    from triton.runtime.autotuner import Autotuner
-
     from comfyui_int8_accel.kernels import triton_backend
 
     for unset in ("", "auto"):
@@ -353,14 +358,6 @@ def test_the_conv_kernel_is_nchw_unless_forced_and_an_unknown_choice_is_refused(
         assert triton_backend.conv_layout(torch.device("cuda", 0)) == "nchw"
     monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", "nhwc")
     assert triton_backend.conv_layout(torch.device("cuda", 0)) == "nhwc"
-    launches = []
-    autotuned_run = Autotuner.run
-
-    def counting_run(self, *args, **kwargs):
-        launches.append(self.base_fn.__name__)
-        return autotuned_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(Autotuner, "run", counting_run)
     q, s, b = weights((16, 24, 3, 3), 8)
     with force_kernel_backend("triton"):
         int8_conv2d(torch.randn(1, 24, 6, 6), q, s, b, 1, 1)

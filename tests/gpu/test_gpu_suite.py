@@ -154,13 +154,15 @@ def test_fused_linear_gemm_matches_its_definition_and_the_int_mm_path(monkeypatc
     assert torch.equal(fused, int_mm)
 
 
+# (input shape, output channels, kernel, stride, padding, groups): SDXL's widths, its 4-channel input conv, a strided
+# conv, a 1x1 and a grouped one
+CONV_CASES = [((2, 320, 32, 32), 320, 3, 1, 1, 1), ((2, 4, 32, 32), 320, 3, 1, 1, 1), ((1, 640, 16, 16), 640, 3, 2, 1, 1),
+              ((2, 1280, 8, 8), 1280, 1, 1, 0, 1), ((1, 64, 20, 20), 64, 3, 1, 1, 4)]
+
+
 @pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}")
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize(
-    "x_shape,cout,kernel,stride,padding,groups",
-    [((2, 320, 32, 32), 320, 3, 1, 1, 1), ((2, 4, 32, 32), 320, 3, 1, 1, 1), ((1, 640, 16, 16), 640, 3, 2, 1, 1),
-     ((2, 1280, 8, 8), 1280, 1, 1, 0, 1), ((1, 64, 20, 20), 64, 3, 1, 1, 4)],
-)  # fmt: skip
+@pytest.mark.parametrize("x_shape,cout,kernel,stride,padding,groups", CONV_CASES)
 def test_channels_last_conv_matches_its_definition_and_the_nchw_kernel(monkeypatch, x_shape, cout, kernel, stride,
                                                                        padding, groups, dtype):  # fmt: skip
     """INT8_ACCEL_TRITON_CONV=nhwc, compiled for this GPU: exact against the definition and bit-equal to the NCHW
@@ -179,11 +181,7 @@ def test_channels_last_conv_matches_its_definition_and_the_nchw_kernel(monkeypat
 
 @pytest.mark.parametrize("bits", [7, 8])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize(
-    "x_shape,cout,kernel,stride,padding,groups",
-    [((2, 320, 32, 32), 320, 3, 1, 1, 1), ((2, 4, 32, 32), 320, 3, 1, 1, 1), ((1, 640, 16, 16), 640, 3, 2, 1, 1),
-     ((2, 1280, 8, 8), 1280, 1, 1, 0, 1), ((1, 64, 20, 20), 64, 3, 1, 1, 4)],
-)  # fmt: skip
+@pytest.mark.parametrize("x_shape,cout,kernel,stride,padding,groups", CONV_CASES)
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_conv_matches_its_definition(backend, x_shape, cout, kernel, stride, padding, groups, dtype, bits):
     q, s, b = weights((cout, x_shape[1] // groups, kernel, kernel), bits)

@@ -24,37 +24,30 @@ def _large(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
         pytest.skip(f"cannot allocate {numel} elements of {dtype}: {exc}")
 
 
-def conv_reads_a_batch_past_2_31_elements(tk: ModuleType, device: torch.device) -> None:
-    """Batch 1 of a [2, 1, 65536, 65536] input starts 2**32 elements in; a 1x1 conv with stride 65536 reads one
-    element per batch. In int32 batch 1's offset wraps to 0, batch 0's element."""
+def _conv_reads_a_batch_past_2_31_elements(tk: ModuleType, device: torch.device, channels_last: bool) -> None:
+    """Batch 1 of a [2, 1, 65536, 65536] input (channels-last: [2, 65536, 65536, 1], the same bytes) starts 2**32
+    elements in; a 1x1 conv with stride 65536 reads one element per batch. In int32 batch 1's offset wraps to 0,
+    batch 0's element."""
     side = 65536
-    x_q = _large(2 * side * side, torch.int8, device).view(2, 1, side, side)
-    x_q[0, 0, 0, 0], x_q[1, 0, 0, 0] = 10, -20
-    q_weight = torch.tensor([3, -5], dtype=torch.int8, device=device).view(2, 1, 1, 1)
+    x_q = _large(2 * side * side, torch.int8, device).view((2, side, side, 1) if channels_last else (2, 1, side, side))
+    x_q.view(-1)[0], x_q.view(-1)[side * side] = 10, -20
+    q_weight = torch.tensor([3, -5], dtype=torch.int8, device=device).view(2, 1, 1, 1)  # [C_out, 1, 1, 1] either way
     col_sum = q_weight.view(2, 1).sum(1, dtype=torch.int32)
     w_scale = torch.tensor([0.5, 0.25], device=device)
     zero_point = torch.zeros((), dtype=torch.int32, device=device)
     scale = torch.tensor(0.125, device=device)
-    y = tk.conv2d_int8(x_q, zero_point, scale, q_weight, col_sum, w_scale, None, [side, side], [0, 0], [1, 1], 1,
-                       torch.float32)  # fmt: skip
+    conv = tk.conv2d_int8_nhwc if channels_last else tk.conv2d_int8
+    y = conv(x_q, zero_point, scale, q_weight, col_sum, w_scale, None, [side, side], [0, 0], [1, 1], 1, torch.float32)
     expected = torch.tensor([10.0, -20.0], device=device)[:, None] * (q_weight.view(1, 2) * 0.125 * w_scale)
     assert torch.equal(y.view(2, 2), expected)
 
 
+def conv_reads_a_batch_past_2_31_elements(tk: ModuleType, device: torch.device) -> None:
+    _conv_reads_a_batch_past_2_31_elements(tk, device, channels_last=False)
+
+
 def channels_last_conv_reads_a_batch_past_2_31_elements(tk: ModuleType, device: torch.device) -> None:
-    """The channels-last conv on a [2, 65536, 65536, 1] input: batch 1 starts 2**32 elements in, as above."""
-    side = 65536
-    x_q = _large(2 * side * side, torch.int8, device).view(2, side, side, 1)
-    x_q[0, 0, 0, 0], x_q[1, 0, 0, 0] = 10, -20
-    w_rows = torch.tensor([3, -5], dtype=torch.int8, device=device).view(2, 1, 1, 1)
-    col_sum = w_rows.view(2, 1).sum(1, dtype=torch.int32)
-    w_scale = torch.tensor([0.5, 0.25], device=device)
-    zero_point = torch.zeros((), dtype=torch.int32, device=device)
-    scale = torch.tensor(0.125, device=device)
-    y = tk.conv2d_int8_nhwc(x_q, zero_point, scale, w_rows, col_sum, w_scale, None, [side, side], [0, 0], [1, 1], 1,
-                            torch.float32)  # fmt: skip
-    expected = torch.tensor([10.0, -20.0], device=device)[:, None] * (w_rows.view(1, 2) * 0.125 * w_scale)
-    assert torch.equal(y.view(2, 2), expected)
+    _conv_reads_a_batch_past_2_31_elements(tk, device, channels_last=True)
 
 
 def row_quantizer_reads_rows_past_2_31_elements(tk: ModuleType, device: torch.device) -> None:
