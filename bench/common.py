@@ -193,3 +193,22 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def autotune_choices() -> list[str]:
+    """What the triton kernel backend's autotuned kernels chose so far in this process, a markdown line per kernel
+    and key: the candidate that won out of how many (to prune candidates that never win, each of which costs a
+    compile in calibration). Empty where no kernel was tuned (no triton, or nothing ran on it)."""
+    from comfyui_int8_accel.kernels import triton_kernels
+
+    if not triton_kernels.AVAILABLE:
+        return []
+    from triton.runtime.autotuner import Autotuner
+
+    lines = []
+    for name, kernel in sorted(vars(triton_kernels).items()):
+        if isinstance(kernel, Autotuner):
+            for key, config in sorted(kernel.cache.items(), key=str):
+                lines.append(f"- {name} {key}: {config.kwargs}, {config.num_warps} warps "
+                             f"(of {len(kernel.configs)} candidates)")
+    return lines

@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench_gpu import median_ms  # noqa: E402
-from common import environment  # noqa: E402
+from common import autotune_choices, environment  # noqa: E402
 
 LINEAR_SHAPES = [(8192, 640, 640), (2048, 1280, 1280), (2048, 1280, 10240), (4608, 3072, 3072),
                  (4608, 3072, 12288), (4608, 12288, 3072)]  # fmt: skip
@@ -107,7 +107,8 @@ def main() -> int:
 
     def write() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines + ["", "## CUDA kernels of one call", ""] + kernels_seen) + "\n")
+        args.out.write_text("\n".join(lines + ["", "## CUDA kernels of one call", ""] + kernels_seen
+                                      + ["", "## Autotuning choices", ""] + autotune_choices()) + "\n")
 
     for m, k, n in LINEAR_SHAPES:
         try:

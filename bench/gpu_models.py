@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import environment, psnr
+from common import autotune_choices, environment, psnr
 
 STEPS = 20
 SIZE = 1024
@@ -306,6 +306,9 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
         again = _timed(bases[torch.bfloat16], family, steps, size, device, dry, 0)
         table.note(f"\nplain bf16 timed again after the last variant: {again.step_seconds:.4f} s/step "
                    f"({reference.step_seconds / again.step_seconds:.2f}x of its first timing).")
+    choices = autotune_choices()
+    if choices:
+        table.note("\nTriton autotuning choices so far (kernel, key: the winning candidate):\n\n" + "\n".join(choices))
     bases.clear()
     gc.collect()
     if device.type == "cuda":
