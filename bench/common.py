@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +16,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from harness.comfy_host import import_comfy, load_pack  # noqa: E402
+from harness.env_vars import environment as environment  # noqa: E402  (the benches import it from here)
 from harness.psnr import psnr as array_psnr  # noqa: E402
 
 
@@ -178,21 +177,6 @@ def result_name(stem: str) -> str:
     from comfyui_int8_accel.kernels.quant import cpu_has_int8_dot_product
 
     return stem if cpu_has_int8_dot_product() else f"{stem}_no_vnni"
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """Environment variables set to `values` while inside; afterwards each has its earlier value again, or is unset."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def autotune_choices() -> list[str]:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import tempfile
 from collections.abc import Iterator
 
 from harness.comfy_host import PACK_MODULE_NAME, load_pack
+from harness.env_vars import environment
 
 FLOORS = ("LINEAR_MIN_MACS", "CONV_MIN_MACS", "MIN_REDUCTION")
 SPEED_GATE, CACHE_DIR = "INT8_ACCEL_SPEED_GATE", "INT8_ACCEL_CACHE_DIR"
@@ -24,19 +24,11 @@ def int8_on_tiny_layers() -> Iterator[None]:
     load_pack()
     cpu = importlib.import_module(f"{PACK_MODULE_NAME}.kernels.cpu")
     floors = {name: getattr(cpu, name) for name in FLOORS}
-    saved_env = {name: os.environ.get(name) for name in (SPEED_GATE, CACHE_DIR)}
-    with tempfile.TemporaryDirectory(prefix="int8-tiny-") as cache:
+    with tempfile.TemporaryDirectory(prefix="int8-tiny-") as cache, environment({SPEED_GATE: "0", CACHE_DIR: cache}):
         try:
             for name in FLOORS:
                 setattr(cpu, name, 0)
-            os.environ[SPEED_GATE] = "0"
-            os.environ[CACHE_DIR] = cache
             yield
         finally:
             for name, value in floors.items():
                 setattr(cpu, name, value)
-            for name, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value

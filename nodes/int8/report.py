@@ -6,6 +6,8 @@ table whose columns are padded so the server log shows it aligned too."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from .calibration import CalibrationResult, LayerMeasurement, decisive_gate
 from .settings import QuantizeSettings
 from .speed import CLOSE, CLOSE_SHARE, NOISY, REMEASURED
@@ -115,9 +117,8 @@ def _timing_conditions(timed: list[LayerMeasurement]) -> str:
     """How the timings went where they took more than the first pairs: layers timed longer for being close, layers
     re-measured after other work on the machine disturbed them, and layers whose decision rests on disturbed
     samples."""
-    remeasured = sum(1 for layer in timed if layer.timing_conditions == REMEASURED)
-    noisy = sum(1 for layer in timed if layer.timing_conditions == NOISY)
-    close = sum(1 for layer in timed if layer.timing_conditions == CLOSE)
+    conditions = Counter(layer.timing_conditions for layer in timed)
+    close, remeasured, noisy = conditions[CLOSE], conditions[REMEASURED], conditions[NOISY]
     parts = []
     if close:
         parts.append(f"{close} timed with more pairs, as float and INT8 came within "
