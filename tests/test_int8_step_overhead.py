@@ -54,6 +54,7 @@ def test_an_int8_layer_call_asks_for_no_attribute_it_lacks_through_nn_module(pac
     dynamic-VRAM slot); usually none is there. Asked through `getattr`, each absent one goes through
     `nn.Module.__getattr__` and an AttributeError (over a microsecond each on the hosts measured, for every INT8
     layer of every step); looked up in the instance's and class's dictionaries it costs a dict lookup."""
+    from comfyui_int8_accel.kernels import force_kernel_backend, record_calls
     from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d, Int8Linear
 
     torch.manual_seed(0)
@@ -71,11 +72,13 @@ def test_an_int8_layer_call_asks_for_no_attribute_it_lacks_through_nn_module(pac
             raise
 
     monkeypatch.setattr(torch.nn.Module, "__getattr__", counting_getattr)
-    with torch.inference_mode():
+    with torch.inference_mode(), force_kernel_backend("cuda"):  # INT8 arithmetic at any size (exact on the CPU)
         for layer, x in layers:
             misses.clear()
-            y = layer(x)
+            with record_calls() as calls:
+                y = layer(x)
             assert misses == []
+            assert sum(n for (_, _, path), n in calls.items() if path == "int8") == 1  # the call ran in INT8
             layer.weight_function = [lambda weight: weight * 2]  # control: a patch that is there is still seen
             assert not torch.equal(layer(x), y)
             layer.weight_function = []
