@@ -79,13 +79,13 @@ def test_the_whole_model_bench_runs_the_variants_asked_for_in_that_order(pack, t
 
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))  # as bench_gpu.py imports it
     gpu_models = importlib.import_module("gpu_models")
-    asked = ["Quantize Model (INT8), channels-last conv", "DeepCache", "plain bf16", "DeepCache"]
+    asked = ["Quantize Model (INT8), NCHW conv", "DeepCache", "plain bf16", "DeepCache"]
     assert [v.name for v in gpu_models.chosen_variants(asked)] == [
-        "plain bf16", "Quantize Model (INT8), channels-last conv", "DeepCache"]
+        "plain bf16", "Quantize Model (INT8), NCHW conv", "DeepCache"]
     out = tmp_path / "sdxl.md"
     assert gpu_models.run_models(["sdxl"], out, dry=True, variant_names=asked[:2]) == 0
     rows = [line.split(" | ")[0].lstrip("| ") for line in out.read_text().splitlines() if line.startswith("| ")][1:]
-    assert rows == ["plain bf16", "Quantize Model (INT8), channels-last conv", "DeepCache"]
+    assert rows == ["plain bf16", "Quantize Model (INT8), NCHW conv", "DeepCache"]
     typo = tmp_path / "typo.md"
     assert gpu_models.run_models(["sdxl"], typo, dry=True, variant_names=["DeepCache", "Deep Cache"]) == 2
     assert not typo.exists() and "no variant named 'Deep Cache'" in capsys.readouterr().out

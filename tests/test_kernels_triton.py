@@ -349,15 +349,20 @@ def test_channels_last_quantizer_writes_the_nchw_quantizer_s_values_transposed(t
     assert torch.equal(zero_point_last, zero_point) and torch.equal(scale_last, scale)
 
 
-def test_the_conv_kernel_is_nchw_unless_forced_and_an_unknown_choice_is_refused(tk, monkeypatch, launches):
-    """The channels-last kernel has not run on a GPU yet: it is chosen only where INT8_ACCEL_TRITON_CONV says so."""
+def test_the_conv_kernel_is_channels_last_on_gpus_unless_forced_and_an_unknown_choice_is_refused(tk, monkeypatch,
+                                                                                                  launches):
+    """The channels-last kernel ran 4x faster than the NCHW one on the H200: a CUDA GPU gets it by default; CPU
+    tensors under the interpreter keep the NCHW one; INT8_ACCEL_TRITON_CONV forces either."""
     from comfyui_int8_accel.kernels import triton_backend
 
     for unset in ("", "auto"):
         monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", unset)
-        assert triton_backend.conv_layout(torch.device("cuda", 0)) == "nchw"
+        assert triton_backend.conv_layout(torch.device("cuda", 0)) == "nhwc"
+        assert triton_backend.conv_layout(torch.device("cpu")) == "nchw"
+    monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", "nchw")
+    assert triton_backend.conv_layout(torch.device("cuda", 0)) == "nchw"
     monkeypatch.setenv("INT8_ACCEL_TRITON_CONV", "nhwc")
-    assert triton_backend.conv_layout(torch.device("cuda", 0)) == "nhwc"
+    assert triton_backend.conv_layout(torch.device("cpu")) == "nhwc"
     q, s, b = weights((16, 24, 3, 3), 8)
     with force_kernel_backend("triton"):
         int8_conv2d(torch.randn(1, 24, 6, 6), q, s, b, 1, 1)
