@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -270,6 +271,7 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
     reference: Run | None = None
     for variant in variants:
         model = one_off = None
+        print(f"gpu_models: {family.title}: {variant.name} ...", flush=True)  # where a stage cut at its limit stood
         try:
             with environment(dict(variant.env)):
                 new_base = variant.dtype not in bases
@@ -341,6 +343,10 @@ def run_models(families: list[str], out: Path, dry: bool, variant_names: list[st
     import_comfy()
     load_pack()
     import comfy.model_management
+
+    # The pack's INFO lines (calibration, each compiled region and its compile seconds) go to the log as well: a
+    # stage cut at its limit still shows how far the warm-up got.
+    logging.getLogger("int8_accel").setLevel(logging.INFO)
 
     from comfyui_int8_accel import kernels
 

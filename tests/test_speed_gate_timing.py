@@ -49,6 +49,83 @@ def test_cuda_plan_warms_up_then_times_back_to_back_calls_per_call(speed):
     assert timing.int8_faster and (timing.pairs, timing.conditions) == (3, "")
 
 
+def test_the_cuda_plan_replays_graphs_only_where_the_model_replays_them(speed):
+    """Only built, not run (capturing needs a GPU): CUDA with CUDA graphs replays, CUDA without and the CPU with
+    do not (the CPU has no graphs)."""
+    assert speed.timing_plan(torch.device("cuda"), cuda_graphs=True).replay is not None
+    assert speed.timing_plan(torch.device("cuda")).replay is None
+    assert speed.timing_plan(torch.device("cpu"), cuda_graphs=True).replay is None
+
+
+class ScriptedGraphs:
+    """A replay for the plan: capturing makes the calls once per call of the graph (as capture records them) and
+    a replay advances a virtual clock by the graph's scripted device seconds, making no call."""
+
+    def __init__(self, device_seconds: dict[str, float], refuse: str = "") -> None:
+        self.device_seconds, self.refuse = device_seconds, refuse
+        self.now, self.captured, self.replays = 0.0, [], []
+
+    def clock(self, speed):
+        return speed.Clock(lambda: self.now, lambda mark: self.now - mark)
+
+    def capture(self, call, calls: int):
+        name = call()
+        if name == self.refuse:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured.append((name, calls))
+
+        def replay():
+            self.replays.append(name)
+            self.now += calls * self.device_seconds[name]
+
+        return replay
+
+
+def test_a_replaying_plan_times_one_graph_of_the_calls_per_sample_and_counts_per_call(speed):
+    """With CUDA graphs the host launches nothing per call: each side's calls are captured once, after the
+    warm-up, into one graph of a sample's calls, and a sample is one replay, counted per call."""
+    graphs = ScriptedGraphs({"float": 0.004, "int8": 0.003})
+    plan = speed.TimingPlan(graphs.clock(speed), warmup_calls=2, calls_per_sample=5, replay=graphs.capture)
+    made: list[str] = []
+
+    def call(name: str):
+        def make():
+            made.append(name)
+            return name
+        return make
+
+    timing = speed.time_float_and_int8(call("float"), call("int8"), torch.device("cpu"), repetitions=3, plan=plan)
+    assert made == ["float"] * 2 + ["int8"] * 2 + ["float", "int8"]  # the warm-up, then once for each capture
+    assert graphs.captured == [("float", 5), ("int8", 5)]
+    assert graphs.replays == ["float", "int8"] * 3
+    assert timing.float_seconds == pytest.approx(0.004) and timing.int8_seconds == pytest.approx(0.003)
+    assert timing.replayed and timing.int8_faster
+
+
+def test_calls_that_cannot_be_captured_are_timed_as_launched(speed, caplog):
+    """A layer whose call cannot run inside a capture (a weight copied from system memory per call) is timed by
+    making its calls, the timing saying it did not replay; a warning says so once."""
+    graphs = ScriptedGraphs({"float": 0.004, "int8": 0.003}, refuse="int8")
+    plan = speed.TimingPlan(graphs.clock(speed), warmup_calls=1, calls_per_sample=2, replay=graphs.capture)
+    made: list[str] = []
+
+    def call(name: str, seconds: float):
+        def make():
+            made.append(name)
+            graphs.now += seconds
+            return name
+        return make
+
+    speed._logged_replay_failure = False
+    with caplog.at_level("WARNING", logger="int8_accel.int8"):
+        timing = speed.time_float_and_int8(call("float", 0.001), call("int8", 0.002), torch.device("cpu"),
+                                           repetitions=2, plan=plan)
+    assert not timing.replayed and graphs.replays == []
+    assert made[-8:] == ["float", "float", "int8", "int8"] * 2  # two calls per sample, made
+    assert timing.float_seconds == pytest.approx(0.001) and timing.int8_seconds == pytest.approx(0.002)
+    assert "could not be captured in a CUDA graph" in caplog.text
+
+
 class VirtualMachine:
     """A clock and a run queue for the CPU plan: each scripted call advances the clock by its seconds, of which
     the given part was spent waiting for a CPU (other work ran). `reports_waits=False`: an OS that does not say."""

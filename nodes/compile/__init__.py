@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from ..cuda_graph_replay import mark_cuda_graph_replay
 from .attention import install_sdpa_override
 from .blocks import make_blocks_wrapper
 from .compile_backends import available_compile_backends, compile_backend_problem, ensure_persistent_cache
@@ -63,6 +64,8 @@ def compile_model(model, settings: CompileSettings, *, strategy: str | None = No
 
     compiled = model.clone()
     compiled.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    if problem is None and settings.uses_cuda_graphs() and device.type == "cuda":
+        mark_cuda_graph_replay(compiled)  # INT8 calibration times its layers as graph replays then
     if chosen == "blocks":
         if problem is None:
             compiled.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,

@@ -49,6 +49,7 @@ class LayerMeasurement:
     int8_ms: float | None = None
     timing_pairs: int = 0  # float/INT8 sample pairs the speed gate took (0: not timed)
     timing_conditions: str = ""  # speed.SETTLED, CLOSE, REMEASURED or NOISY ("": not timed, or a device that does not check)
+    timing_replayed: bool = False  # the speed gate timed replays of CUDA graphs of the calls
     source: str = ""  # a core-quantized layer's format and how its INT8 weights were made ("": a float layer)
     # The kernel backend serving the calibration's device computes this layer's call in float at the calibration
     # shape (below its size floor), with the dequantized weight: INT8 would change the result and save nothing.
@@ -87,6 +88,8 @@ class CalibrationResult:
     weight_bits: int = 0  # width of the INT8 weights (8, or 7 on CPUs without VNNI); 0: not recorded
     linear_gemm: str = ""  # the triton kernel backend's Linear GEMM ("fused" / "int-mm"); "" for the others
     conv_layout: str = ""  # the triton kernel backend's conv kernel ("nchw" / "nhwc"); "" for the others
+    # the speed gate timed the layers as CUDA graph replays (Compile Model replays the model's calls from graphs)
+    cuda_graph_timing: bool = False
     model_guard: dict = field(default_factory=dict)  # when the whole-model guard acted: limit, error_before, rounds
 
     @property
@@ -121,6 +124,7 @@ class CalibrationResult:
                    memory=data.get("memory", {}), left_to_core=data.get("left_to_core", {}),
                    created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0),
                    linear_gemm=data.get("linear_gemm", ""), conv_layout=data.get("conv_layout", ""),
+                   cuda_graph_timing=data.get("cuda_graph_timing", False),
                    model_guard=data.get("model_guard", {}))
 
 
@@ -181,6 +185,7 @@ def _first_failed_gate(layer: LayerMeasurement, settings: QuantizeSettings, meas
     if timing is not None:
         layer.float_ms, layer.int8_ms = 1e3 * timing.float_seconds, 1e3 * timing.int8_seconds
         layer.timing_pairs, layer.timing_conditions = timing.pairs, timing.conditions
+        layer.timing_replayed = timing.replayed
         if not timing.int8_faster:
             return FLOAT_BY_GATE["speed"]
     return INT8
@@ -253,11 +258,19 @@ def conv_layout_for(device: torch.device) -> str:
     return conv_layout(device) if kernel_backend_for(device) == "triton" else ""
 
 
-def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tensor) -> str:
+def cuda_graph_timing_for(device: torch.device, replays_cuda_graphs: bool) -> bool:
+    """Whether the speed gate times CUDA graph replays: on a CUDA device, for a model whose calls replay graphs."""
+    return replays_cuda_graphs and device.type == "cuda"
+
+
+def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tensor,
+                    cuda_graph_timing: bool = False) -> str:
     """Key of a decision: the weights and patches, the settings, the latent's size and dtype, and what runs the
-    INT8 layers (device, kernel backend, weight width) and whether the speed gate decided: a decision measured on
-    one is not reused on another."""
-    text = json.dumps([CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
-                       x.device.type, kernel_backend_for(x.device), linear_gemm_for(x.device), conv_layout_for(x.device),
-                       weight_bits(x.device), speed_gate_enabled()])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    INT8 layers (device, kernel backend, weight width), whether the speed gate decided and whether it timed CUDA
+    graph replays (`cuda_graph_timing_for`): a decision measured on one is not reused on another."""
+    parts = [CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
+             x.device.type, kernel_backend_for(x.device), linear_gemm_for(x.device), conv_layout_for(x.device),
+             weight_bits(x.device), speed_gate_enabled()]
+    if cuda_graph_timing:
+        parts.append("cuda-graph timing")
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]

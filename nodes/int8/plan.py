@@ -36,6 +36,7 @@ from ...kernels import (
     weight_qmax,
 )
 from ..comfy_contracts import bypass_hook, follow_bypass, restorable_backup
+from ..cuda_graph_replay import replays_cuda_graphs
 from ..page import show_image_on_node, show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
@@ -48,6 +49,7 @@ from .calibration import (
     bypass_fingerprint,
     calibration_key,
     conv_layout_for,
+    cuda_graph_timing_for,
     decide,
     guard_round,
     linear_gemm_for,
@@ -62,7 +64,7 @@ from .picture import decision_picture
 from .report import format_report, summary_line
 from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
 from .settings import QuantizeSettings
-from .speed import RemeasureBudget, Timing, call_signature, time_float_and_int8
+from .speed import RemeasureBudget, Timing, call_signature, time_float_and_int8, timing_plan
 
 log = logging.getLogger("int8_accel.int8")
 WRAPPER_KEY = "int8_accel_quantize"
@@ -254,13 +256,15 @@ class Int8Plan:
             self.copies_of(base_model).backup = restorable_backup(patcher)
         fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
         bypass = self._bypass_fingerprint(base_model)
-        key = calibration_key(fingerprint + bypass, self.settings, x)
+        graph_timing = cuda_graph_timing_for(
+            x.device, replays_cuda_graphs(wrapper_arg(args, kwargs, 5, "transformer_options", None)))
+        key = calibration_key(fingerprint + bypass, self.settings, x, graph_timing)
         result = self._known_result(key, base_model, fingerprint)
         if result is None:
             with self._calibration_lock:  # MultiGPU: another device's thread may be calibrating this key now
                 result = self._known_result(key, base_model, fingerprint)
                 if result is None:
-                    return self._calibrate(executor, base_model, args, kwargs, key, fingerprint)
+                    return self._calibrate(executor, base_model, args, kwargs, key, fingerprint, graph_timing)
         self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
         replacements = self._int8_modules(base_model, result.chosen, x.device, bypass)
         with swapped_modules(base_model.diffusion_model, replacements):
@@ -442,7 +446,7 @@ class Int8Plan:
                                 density=compute_density(m, k, n), error=None, source=core_layer_source(module),
                                 below_kernel_floor=below_floor)
 
-    def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str):
+    def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str, graph_timing: bool = False):
         start = time.perf_counter()
         root = self._fresh_module_cache(base_model)
         copies = self.copies_of(base_model)
@@ -480,7 +484,8 @@ class Int8Plan:
                     signature = call_signature(kind, module, x)
                     if signature not in timings:  # module.forward: calling the module would re-enter this hook
                         timings[signature] = time_float_and_int8(lambda: module.forward(x), lambda: int8_copy[0](x),
-                                                                 x.device, budget=remeasure_budget)
+                                                                 x.device, budget=remeasure_budget,
+                                                                 plan=timing_plan(x.device, graph_timing))
                     return timings[signature]
 
                 # One layer at a time: a layer is quantized only when it reaches the error gate, and its INT8
@@ -507,7 +512,7 @@ class Int8Plan:
                                    kernel_backend_fallback=kernel_backend_fallback(args[0].device),
                                    left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device),
                                    linear_gemm=linear_gemm_for(args[0].device),
-                                   conv_layout=conv_layout_for(args[0].device))
+                                   conv_layout=conv_layout_for(args[0].device), cuda_graph_timing=graph_timing)
         chosen = set(result.chosen)
         copies.modules = {name: module for name, module in copies.modules.items() if name in chosen}
         self._uncount_dropped(base_model)

@@ -47,6 +47,8 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
     kernels += [f"{result.conv_layout} conv"] if result.conv_layout else []
     gemm = f" ({', '.join(kernels)})" if kernels else ""
     parts.append(f"{result.kernel_backend or 'unknown'} kernel backend{gemm}{bits}{passed_over}")
+    if result.cuda_graph_timing:
+        parts.append("timed as CUDA graph replays (Compile Model replays this model's calls)")
     parts.append("from the calibration cache" if from_cache else f"calibrated now ({result.seconds:.1f} s)")
     return " · ".join(parts)
 
@@ -89,7 +91,8 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         paragraphs.append(
             f"speed gate: {len(timed)} layers timed on {result.kernel_backend or 'this device'}, {slower} stay float "
             f"as slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of {kept_float:.1f} ms in float "
-            f"({'-' if speedup is None else f'{speedup:.2f}x'})" + _timing_conditions(timed))
+            f"({'-' if speedup is None else f'{speedup:.2f}x'})" + _replays_part(result, timed)
+            + _timing_conditions(timed))
     if result.memory:
         mib = {name: value / MIB for name, value in result.memory.items()}
         paragraphs.append(
@@ -111,6 +114,16 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         paragraphs.append("left to ComfyUI core: " + "; ".join(f"{name} ({why})"
                                                                for name, why in result.left_to_core.items()))
     return "\n\n".join(paragraphs)
+
+
+def _replays_part(result: CalibrationResult, timed: list[LayerMeasurement]) -> str:
+    """Where the speed gate timed CUDA graph replays: that it did, and how many layers it had to time as launched."""
+    if not result.cuda_graph_timing:
+        return ""
+    launched = sum(1 for layer in timed if not layer.timing_replayed)
+    return ("; timed as replays of CUDA graphs of their calls, as Compile Model replays this model's calls (no "
+            "launch from the host)" + (f", {launched} as launched (their calls could not be captured)" if launched
+                                       else ""))
 
 
 def _timing_conditions(timed: list[LayerMeasurement]) -> str:

@@ -12,11 +12,16 @@ pairs are timed, within a bound, and so are a few more while the two fastest sam
 does not report, such as a busy neighbour of this virtual machine on the same physical core, can tip a close
 decision and often passes within a few more pairs); the timing says whether it took more pairs for being close or
 for being disturbed, or stayed noisy (disturbed when the bound ran out).
+Where the model's calls will be replayed from CUDA graphs (Compile Model in a mode that replays them), CUDA times
+replays of one captured graph of each side's back-to-back calls instead: a replay launches nothing from the host,
+so an INT8 call's extra launches cost only their GPU time there, as they will while sampling (`timing_plan`).
 `INT8_ACCEL_SPEED_GATE=0` turns the gate off (the other gates alone decide), for reproducible layer choices.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import statistics
 import time
@@ -27,6 +32,8 @@ import torch
 
 from ..comfy_contracts import patches_in_forward
 from .run_queue import RunQueueWait
+
+log = logging.getLogger("int8_accel.int8")
 
 REPETITIONS = 3
 # On CUDA: calls of each kind run before timing (autotuning, allocator growth), and calls timed back to back per
@@ -102,6 +109,33 @@ def cuda_event_clock(device: torch.device) -> Clock:
     return Clock(start, seconds_since)
 
 
+Replay = Callable[[Callable[[], object], int], Callable[[], object]]
+
+
+def cuda_graph_replay(device: torch.device) -> Replay:
+    """What turns a call into a replay of one CUDA graph of `calls` back-to-back calls of it, captured on `device`
+    (after one call on the capturing stream, as capture asks). The graph and its outputs live as long as the
+    returned replay."""
+
+    def capture(call: Callable[[], object], calls: int) -> Callable[[], object]:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            outputs = [call() for _ in range(calls)]
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+        def replay() -> object:
+            graph.replay()
+            return outputs
+
+        return replay
+
+    return capture
+
+
 @dataclass(frozen=True)
 class Remeasuring:
     """Pairs added after the first ones while the slower side's fastest sample was disturbed (`run_queue` says how
@@ -124,14 +158,16 @@ class TimingPlan:
     calls_per_sample: int  # back to back; a sample is their mean
     estimate: Callable[[Sequence[float]], float] = statistics.median  # a side's seconds per call, from its samples
     remeasuring: Remeasuring | None = None  # None: the pairs asked for, whatever they measured
+    replay: Replay | None = None  # a sample replays one captured graph of its calls instead of making them
 
 
-def timing_plan(device: torch.device) -> TimingPlan:
-    """CUDA: events around several back-to-back calls after a warm-up, the median sample; elsewhere one
-    synchronized call per sample and the fastest sample, re-measured while disturbed (callers have run both calls
-    once)."""
+def timing_plan(device: torch.device, cuda_graphs: bool = False) -> TimingPlan:
+    """CUDA: events around several back-to-back calls after a warm-up, the median sample, the calls replayed from
+    one CUDA graph per side where `cuda_graphs` (the model's calls will be); elsewhere one synchronized call per
+    sample and the fastest sample, re-measured while disturbed (callers have run both calls once)."""
     if device.type == "cuda":
-        return TimingPlan(cuda_event_clock(device), CUDA_WARMUP_CALLS, CUDA_CALLS_PER_SAMPLE)
+        return TimingPlan(cuda_event_clock(device), CUDA_WARMUP_CALLS, CUDA_CALLS_PER_SAMPLE,
+                          replay=cuda_graph_replay(device) if cuda_graphs else None)
     return TimingPlan(wall_clock(device), 0, 1, min, Remeasuring(RunQueueWait, CPU_REMEASURE_SECONDS))
 
 
@@ -149,8 +185,12 @@ class Sample:
 
 
 def _sample(call: Callable[[], object], plan: TimingPlan, run_queue: RunQueueWait | None) -> Sample:
+    """One sample of `call`, or with the plan's `replay`, of the replay `call` is (one per sample)."""
     waited = None if run_queue is None else run_queue.seconds()
-    seconds = seconds_per_call(call, plan.clock, plan.calls_per_sample)
+    if plan.replay is None:
+        seconds = seconds_per_call(call, plan.clock, plan.calls_per_sample)
+    else:
+        seconds = seconds_per_call(call, plan.clock, 1) / plan.calls_per_sample
     waited_after = None if run_queue is None else run_queue.seconds()
     if waited is None or waited_after is None:
         return Sample(seconds, None)
@@ -189,6 +229,7 @@ class Timing:
     int8_seconds: float
     pairs: int = REPETITIONS  # float/INT8 sample pairs taken
     conditions: str = ""  # SETTLED, CLOSE, REMEASURED or NOISY (see above); "" where the plan does not check
+    replayed: bool = False  # the samples replayed CUDA graphs of the calls
 
     @property
     def int8_faster(self) -> bool:
@@ -213,13 +254,15 @@ def time_float_and_int8(float_call: Callable[[], object], int8_call: Callable[[]
     a disturbed timing, within its bound and what is left of `budget` (the calibration's; None: no limit but the
     plan's). Both calls must have run once before (warm caches, prepacked weights, compiled kernels)."""
     plan = plan or timing_plan(torch.device(device))
-    for call in (float_call, int8_call):
+    calls = (float_call, int8_call)
+    for call in calls:
         for _ in range(plan.warmup_calls):
             call()
+    calls, plan = _replays(calls, plan)
     sides: tuple[list[Sample], list[Sample]] = ([], [])
 
     def take_pair(run_queue: RunQueueWait | None) -> None:
-        for call, samples in zip((float_call, int8_call), sides, strict=True):
+        for call, samples in zip(calls, sides, strict=True):
             samples.append(_sample(call, plan, run_queue))
 
     remeasuring = plan.remeasuring
@@ -248,6 +291,27 @@ def time_float_and_int8(float_call: Callable[[], object], int8_call: Callable[[]
     return _timing(plan, sides, REMEASURED if disturbed else CLOSE)
 
 
+_logged_replay_failure = False
+
+
+def _replays(calls: tuple[Callable[[], object], ...], plan: TimingPlan
+             ) -> tuple[tuple[Callable[[], object], ...], TimingPlan]:
+    """The calls as the plan samples them: their replays where the plan replays graphs and both captures succeed,
+    else the calls themselves under the plan without replays (a call that cannot be captured, such as one copying
+    its weight from system memory, is timed as it is made)."""
+    global _logged_replay_failure
+    if plan.replay is None:
+        return calls, plan
+    try:
+        return tuple(plan.replay(call, plan.calls_per_sample) for call in calls), plan
+    except RuntimeError as exc:
+        if not _logged_replay_failure:
+            _logged_replay_failure = True
+            log.warning("int8-accel: a layer's calls could not be captured in a CUDA graph for the speed gate (%s); "
+                        "such layers are timed without replaying graphs", " ".join(str(exc).split())[:200])
+        return calls, dataclasses.replace(plan, replay=None)
+
+
 def _timing(plan: TimingPlan, sides: tuple[list[Sample], list[Sample]], conditions: str) -> Timing:
     float_seconds, int8_seconds = (plan.estimate([sample.seconds for sample in samples]) for samples in sides)
-    return Timing(float_seconds, int8_seconds, len(sides[0]), conditions)
+    return Timing(float_seconds, int8_seconds, len(sides[0]), conditions, plan.replay is not None)

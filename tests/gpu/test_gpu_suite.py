@@ -401,6 +401,35 @@ def test_speed_gate_times_device_work_per_call_with_events(pack):
     assert not timing.int8_faster
 
 
+def test_speed_gate_replaying_cuda_graphs_times_an_int8_linear_without_its_host_launches(int8_modules):
+    """SDXL's attention projection at 1024x1024 (8192 tokens, 640 -> 640): launched, its INT8 call spends more
+    host time than its kernels take; replayed from a CUDA graph (Compile Model's reduce-overhead), only the kernels
+    count, so the replaying plan times it faster than the launching one does."""
+    speed = importlib.import_module("comfyui_int8_accel.nodes.int8.speed")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(640, 640, dtype=torch.bfloat16, device=DEVICE)
+    int8_layer = int8_modules.Int8Linear.from_float(layer)
+    x = torch.randn(2, 4096, 640, dtype=torch.bfloat16, device=DEVICE)
+    with torch.no_grad(), record_calls() as counted:
+        int8_layer(x), layer(x)
+        launched = speed.time_float_and_int8(lambda: layer(x), lambda: int8_layer(x), DEVICE)
+        replayed = speed.time_float_and_int8(lambda: layer(x), lambda: int8_layer(x), DEVICE,
+                                             plan=speed.timing_plan(DEVICE, cuda_graphs=True))
+    assert counted[("linear", ops.kernel_backend_for(DEVICE), "int8")] > 0
+    assert replayed.replayed and not launched.replayed
+    assert replayed.int8_seconds < launched.int8_seconds, (replayed, launched)
+
+
+def test_speed_gate_times_a_call_that_cannot_be_captured_as_launched():
+    """A call that reads a value on the host (a sync: not allowed while capturing) is timed as launched."""
+    speed = importlib.import_module("comfyui_int8_accel.nodes.int8.speed")
+    x = torch.randn(1024, 1024, device=DEVICE)
+    timing = speed.time_float_and_int8(lambda: x @ x, lambda: float((x @ x).sum()), DEVICE,
+                                       plan=speed.timing_plan(DEVICE, cuda_graphs=True))
+    assert not timing.replayed and timing.float_seconds > 0 and timing.int8_seconds > 0
+    assert float((x @ x).sum()) == pytest.approx(float((x @ x).sum()))  # the device still works after the refusal
+
+
 # ---- ComfyUI models on the GPU: storage dtypes, INT8 + Compile Model, low-VRAM loading -----------------------
 
 STORAGE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3fn": torch.float8_e4m3fn}
