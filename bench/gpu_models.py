@@ -177,6 +177,17 @@ def _timed(model, family: Family, steps: int, size: int, device: torch.device, d
     return dataclasses.replace(median, peak_gib=max(run.peak_gib for run in runs))
 
 
+def _compile_phases() -> str:
+    """Where the compiles of this process spent their time (dynamo, inductor's lowering and code generation,
+    waiting on the kernel compiler workers), as torch reports it; '' where it does not."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        return str(compile_times(repr="str", aggregate=True))
+    except Exception as exc:  # noqa: BLE001 - a diagnostic line, never a failed row
+        return f"(not available: {type(exc).__name__})"
+
+
 def _build(family: Family, dtype: torch.dtype, device: torch.device, dry: bool):
     from harness.tiny_models import build_random_model
 
@@ -281,6 +292,7 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
                 if variant.compile:
                     warm = _sample(model, family, 3, size, device, dry)
                     one_off = f"{warm.seconds:.1f} (compile warm-up, 3 steps)"
+                    print(f"gpu_models: compile phases so far (seconds):\n{_compile_phases()}", flush=True)
                 elif variant.int8:
                     warm = _sample(model, family, 1, size, device, dry)
                     one_off = f"{warm.seconds:.1f} (first step, calibration included)"
@@ -288,6 +300,10 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
                     _sample(model, family, 1, size, device, dry)
                 idle = sum(_weight_bytes(other) for dtype, other in bases.items() if dtype != variant.dtype)
                 run = _timed(model, family, steps, size, device, dry, idle)
+        except KeyboardInterrupt:  # the stage's time limit: say how far the compiles got, then stop
+            print(f"gpu_models: cut during {variant.name}; compile phases so far (seconds):\n{_compile_phases()}",
+                  flush=True)
+            raise
         except Exception as exc:  # noqa: BLE001 - one variant failing is reported; the others still run
             table.row([variant.name, f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}",
                        *["-"] * (len(Table.HEADER) - 2)])
