@@ -128,6 +128,9 @@ VARIANTS = (
     # CUDA graphs take the host time of the INT8 calls (activation quantizer, launches) out of every step
     Variant("INT8 + Compile Model (reduce-overhead)", int8=True, compile=True, compile_mode="reduce-overhead"),
     Variant("plain bf16 + Compile Model (reduce-overhead)", compile=True, compile_mode="reduce-overhead"),
+    # the Linear's activation quantizer as its own kernel inside the INT8 op, as before inductor could fuse it
+    Variant("INT8 + Compile Model (reduce-overhead), quantizer as a kernel", int8=True, compile=True,
+            compile_mode="reduce-overhead", env=(("INT8_ACCEL_TRACED_QUANTIZER", "0"),)),
 )
 
 

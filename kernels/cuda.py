@@ -89,16 +89,22 @@ def prepare_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Te
     weight_column_sums(q_weight)
 
 
-def linear(
-    x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    n = q_weight.shape[0]
-    q, row_scale = quantize_rows_symmetric(x.reshape(-1, x.shape[-1]))
-    acc = int_mm_padded(q, prepared_linear_weight(q_weight), n)
+def linear_quantized(q: torch.Tensor, row_scale: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The Linear on rows already quantized by `quantize_rows_symmetric` (int8 [M, K], float32 scale [M]):
+    [M, N] in `dtype`."""
+    acc = int_mm_padded(q, prepared_linear_weight(q_weight), q_weight.shape[0])
     y = acc.to(torch.float32) * row_scale[:, None] * w_scale.to(torch.float32)[None, :]
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.reshape(*x.shape[:-1], n).to(x.dtype)
+    return y.to(dtype)
+
+
+def linear(
+    x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    q, row_scale = quantize_rows_symmetric(x.reshape(-1, x.shape[-1]))
+    return linear_quantized(q, row_scale, q_weight, w_scale, bias, x.dtype).reshape(*x.shape[:-1], q_weight.shape[0])
 
 
 def _conv_weight_rows(q_weight: torch.Tensor, groups: int) -> torch.Tensor:

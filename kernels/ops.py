@@ -5,6 +5,9 @@ Registered through `torch.library` so torch.compile/dynamo traces a model contai
 Backends (`KERNEL_BACKENDS`, one module each, in one table): every backend module has `available() -> str | None`
 (None when usable, else why not), `linear(x, q_weight, w_scale, bias)` and
 `conv2d(x, q_weight, w_scale, bias, stride, padding, dilation, groups)`, both returning the output. Optionally:
+`linear_quantized(q, row_scale, q_weight, w_scale, bias, dtype)`, the Linear on rows already quantized per token
+with the reference formula (`quantize_rows_symmetric`), which under torch.compile lets the quantizer be traced as
+torch ops for inductor to fuse into what precedes it (`int8_linear`; the cuda and triton backends have it);
 `prepare_linear` / `prepare_conv2d` (the same arguments without x) build a weight's derived forms ahead of the
 first call (`prepare_int8_linear` / `prepare_int8_conv2d`); a backend that computes some calls in float with the
 dequantized weight (shapes below its size floor, too small for INT8 to pay) says which through
@@ -25,11 +28,12 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .policy import KERNEL_BACKEND_MODULES, kernel_backend_for
+from .environment import traced_linear_quantizer
+from .policy import KERNEL_BACKEND_MODULES, forced_kernel_backend, kernel_backend_for
 from .policy import (
     kernel_backend_unavailable_reason as kernel_backend_unavailable_reason,  # where callers looked it up before
 )
-from .quant import conv_output_shape, pair
+from .quant import conv_output_shape, pair, quantize_rows_symmetric
 
 
 class _Recorders(threading.local):
@@ -111,7 +115,22 @@ def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
     return y
 
 
+def _linear_quantized_impl(q: torch.Tensor, row_scale: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
+                           bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    kernel_backend = kernel_backend_for(q.device)
+    if q.numel() == 0:
+        y = q.new_zeros(q.shape[0], q_weight.shape[0], dtype=dtype)
+    else:
+        if kernel_backend not in _QUANTIZED_ROWS_BACKENDS:  # another backend forced since the graph was traced
+            kernel_backend = "cuda"
+        y = KERNEL_BACKEND_MODULES[kernel_backend].linear_quantized(q, row_scale, q_weight, w_scale, bias, dtype)
+    _record("linear", kernel_backend, "int8" if q.numel() else "float")
+    return y
+
+
 LINEAR_SCHEMA = "(Tensor x, Tensor q_weight, Tensor w_scale, Tensor? bias) -> Tensor"
+LINEAR_QUANTIZED_SCHEMA = ("(Tensor q, Tensor row_scale, Tensor q_weight, Tensor w_scale, Tensor? bias, "
+                           "ScalarType dtype) -> Tensor")
 CONV2D_SCHEMA = ("(Tensor x, Tensor q_weight, Tensor w_scale, Tensor? bias, int[] stride, int[] padding, "
                  "int[] dilation, int groups) -> Tensor")
 
@@ -130,12 +149,13 @@ def _registered() -> bool:
 if _registered():
     _linear_op = torch.ops.int8_accel.linear
     _conv2d_op = torch.ops.int8_accel.conv2d
+    _linear_quantized_op = torch.ops.int8_accel.linear_quantized
 elif not hasattr(torch.library, "custom_op"):  # PyTorch before 2.4
     logging.getLogger("int8_accel.kernels").warning(
         "int8-accel: this PyTorch (%s) has no torch.library.custom_op (PyTorch 2.4+): the INT8 ops run as plain "
         "functions, so torch.compile traces into them (expect graph breaks) and CUDA graphs may not capture them",
         torch.__version__)
-    _linear_op, _conv2d_op = _linear_impl, _conv2d_impl
+    _linear_op, _conv2d_op, _linear_quantized_op = _linear_impl, _conv2d_impl, None
 else:
 
     # Explicit schemas: before PyTorch 2.7, schema inference rejects string annotations (this module's
@@ -156,6 +176,15 @@ else:
     @_conv2d_op.register_fake
     def _(x, q_weight, w_scale, bias, stride, padding, dilation, groups):
         return x.new_empty(conv_output_shape(x.shape, q_weight.shape, stride, padding, dilation))
+
+    @torch.library.custom_op("int8_accel::linear_quantized", mutates_args=(), schema=LINEAR_QUANTIZED_SCHEMA)
+    def _linear_quantized_op(q: torch.Tensor, row_scale: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
+                             bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return _linear_quantized_impl(q, row_scale, q_weight, w_scale, bias, dtype)
+
+    @_linear_quantized_op.register_fake
+    def _(q, row_scale, q_weight, w_scale, bias, dtype):
+        return q.new_empty(q.shape[0], q_weight.shape[0], dtype=dtype)
 
 
 def _plain_eager() -> bool:
@@ -190,7 +219,29 @@ def int8_linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, 
     """
     if _plain_eager():
         return _linear_impl(x, q_weight, w_scale, bias)
+    if torch.compiler.is_compiling() and traces_linear_quantizer(x.device):
+        q, row_scale = quantize_rows_symmetric(x.reshape(-1, x.shape[-1]))
+        y = _linear_quantized_op(q, row_scale, q_weight, w_scale, bias, x.dtype)
+        return y.reshape(*x.shape[:-1], q_weight.shape[0])
     return _linear_op(x, q_weight, w_scale, bias)
+
+
+def traces_linear_quantizer(device: torch.device | str) -> bool:
+    """Whether a Linear traced by torch.compile on `device` has its activation quantizer traced as torch ops (the
+    reference formula, which inductor can fuse into the ops before it, a LayerNorm or a GELU, and share between
+    projections of one input) and only its GEMM in an INT8 op, `int8_accel::linear_quantized`: on CUDA tensors, whose backends
+    (triton, or cuda without Triton) both quantize rows with that formula, or where a backend with
+    `linear_quantized` is forced; unless INT8_ACCEL_TRACED_QUANTIZER=0. Dynamo traces this, so it reads nothing
+    but the device, the thread's forced backend and the environment (PyTorch 2.4's dynamo does not see the
+    forced backend, a thread-local, and keeps the whole op there; in production nothing is forced)."""
+    forced = forced_kernel_backend()
+    splits = forced in _QUANTIZED_ROWS_BACKENDS if forced is not None else torch.device(device).type == "cuda"
+    return _linear_quantized_op is not None and splits and traced_linear_quantizer()
+
+
+# A tuple, not a set: PyTorch 2.4's dynamo answers `in` on a frozenset wrongly.
+_QUANTIZED_ROWS_BACKENDS = tuple(name for name, module in KERNEL_BACKEND_MODULES.items()
+                                 if hasattr(module, "linear_quantized"))
 
 
 def int8_conv2d(

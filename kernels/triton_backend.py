@@ -94,18 +94,22 @@ def prepare_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Te
         _nhwc_conv_rows(q_weight)
 
 
+def linear_quantized(q: torch.Tensor, row_scale: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The Linear on rows already quantized per token (the reference formula: int8 [M, K], float32 scale [M]):
+    [M, N] in `dtype`, through the GEMM `linear_gemm` picks."""
+    triton_kernels = _kernels()
+    if linear_gemm(q.device) == "fused":
+        return triton_kernels.gemm_rescale(q, q_weight, row_scale, w_scale, bias, dtype)
+    acc = int_mm_padded(q, prepared_linear_weight(q_weight), q_weight.shape[0])
+    return triton_kernels.rescale(acc, row_scale, w_scale, bias, dtype)
+
+
 def linear(
     x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    triton_kernels = _kernels()
-    n = q_weight.shape[0]
-    q, row_scale = triton_kernels.quantize_rows(x.reshape(-1, x.shape[-1]))
-    if linear_gemm(x.device) == "fused":
-        y = triton_kernels.gemm_rescale(q, q_weight, row_scale, w_scale, bias, x.dtype)
-    else:
-        acc = int_mm_padded(q, prepared_linear_weight(q_weight), n)
-        y = triton_kernels.rescale(acc, row_scale, w_scale, bias, x.dtype)
-    return y.reshape(*x.shape[:-1], n)
+    q, row_scale = _kernels().quantize_rows(x.reshape(-1, x.shape[-1]))
+    return linear_quantized(q, row_scale, q_weight, w_scale, bias, x.dtype).reshape(*x.shape[:-1], q_weight.shape[0])
 
 
 def conv2d(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -420,6 +420,35 @@ def test_speed_gate_replaying_cuda_graphs_times_an_int8_linear_without_its_host_
     assert replayed.int8_seconds < launched.int8_seconds, (replayed, launched)
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_compiled_linear_traces_its_quantizer_for_inductor_and_matches_eager(int8_modules, dtype):
+    """On CUDA, without forcing a backend, torch.compile traces an INT8 Linear's activation quantizer as torch ops
+    (inductor fuses it into the LayerNorm before it) and keeps only the GEMM as an INT8 op; the output stays
+    within rounding of eager's (inductor's LayerNorm rounds a little differently)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1280, 1280, dtype=dtype, device=DEVICE)
+    int8_layer = int8_modules.Int8Linear.from_float(layer)
+    norm = torch.nn.LayerNorm(1280, dtype=dtype, device=DEVICE)
+    x = torch.randn(2, 1024, 1280, dtype=dtype, device=DEVICE)
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad(), record_calls() as calls:
+        eager = int8_layer(norm(x))
+        compiled = torch.compile(lambda x: int8_layer(norm(x)), backend=keep_graph)(x)
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if "int8_accel" in str(node.target)]
+    assert targets and all("linear_quantized" in target for target in targets), targets
+    assert calls[("linear", "triton" if TRITON is None else "cuda", "int8")] == 2
+    error = ((compiled.float() - eager.float()).pow(2).mean() / eager.float().pow(2).mean()).item()
+    assert error < 1e-4, error
+
+
 def test_speed_gate_times_a_call_that_cannot_be_captured_as_launched():
     """A call that reads a value on the host (a sync: not allowed while capturing) is timed as launched."""
     speed = importlib.import_module("comfyui_int8_accel.nodes.int8.speed")

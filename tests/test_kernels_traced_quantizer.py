@@ -1,0 +1,146 @@
+"""Under torch.compile a GPU Linear's per-token activation quantizer is traced as torch ops and only its GEMM stays
+an INT8 op (`int8_accel::linear_quantized`), so inductor can fuse the quantizer into the ops before it (a
+LayerNorm, a GELU) and share it between projections of the same input. Run here with the `cuda` kernel backend
+forced on CPU tensors (`torch._int_mm` is exact on the CPU; its quantizer is the reference formula the triton
+backend's kernel reproduces bit for bit); the cpu backend, which quantizes otherwise, keeps the whole op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comfyui_int8_accel.kernels import (
+    force_kernel_backend,
+    forced_kernel_backend,
+    int8_linear,
+    normalized_mse,
+    quantize_weight_per_channel,
+    record_calls,
+)
+from comfyui_int8_accel.kernels.ops import traces_linear_quantizer
+
+
+def _layer(k: int = 64, n: int = 48, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, s = quantize_weight_per_channel(torch.randn(n, k, generator=g) / k**0.5, 127)
+    return q, s, torch.randn(n, generator=g)
+
+
+def _normed_projection(q, s, b):
+    def forward(x):
+        return int8_linear(F.layer_norm(x, x.shape[-1:]), q, s, b)
+
+    return forward
+
+
+class RecordingBackend:
+    """A torch.compile backend that keeps the FX graphs dynamo hands it and runs them as they are."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def int8_ops(self) -> list[str]:
+        return [str(node.target).removesuffix(".default") for gm in self.graphs for node in gm.graph.nodes
+                if node.op == "call_function" and "int8_accel" in str(node.target)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _dynamo_reads_the_forced_backend() -> bool:
+    """Whether dynamo, tracing, sees the kernel backend this thread forced (a thread-local), as the tests here
+    force the cuda backend on CPU tensors; where it does not, the Linear stays one op, as it did before."""
+
+    def probe(x):
+        return x + (1 if forced_kernel_backend() == "cuda" else 2)  # what the traced graph adds says what it saw
+
+    with force_kernel_backend("cuda"):
+        out = torch.compile(probe, backend="eager")(torch.zeros(2))
+    torch._dynamo.reset()
+    return bool((out == 1).all())
+
+
+def test_dynamo_sees_the_forced_backend_on_the_pytorch_versions_that_split_the_linear():
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 11):
+        assert _dynamo_reads_the_forced_backend()
+
+
+def test_a_compiled_gpu_linear_traces_its_quantizer_and_keeps_only_the_gemm_as_an_int8_op():
+    q, s, b = _layer()
+    forward = _normed_projection(q, s, b)
+    x = torch.randn(2, 40, 64)
+    backend = RecordingBackend()
+    splits = _dynamo_reads_the_forced_backend()
+    with force_kernel_backend("cuda"), torch.no_grad():
+        assert traces_linear_quantizer(x.device)
+        eager = forward(x)
+        with record_calls() as calls:
+            compiled = torch.compile(forward, backend=backend)(x)
+    if splits:
+        assert backend.int8_ops() == ["int8_accel.linear_quantized"]
+        assert any("amax" in str(node.target) for node in backend.graphs[0].graph.nodes)  # the quantizer, traced
+    else:
+        assert backend.int8_ops() == ["int8_accel.linear"]
+    assert torch.equal(compiled, eager)
+    assert calls == {("linear", "cuda", "int8"): 1}
+
+
+def test_a_cuda_tensor_is_split_unless_switched_off_and_a_cpu_tensor_is_not(monkeypatch):
+    """Without a forced backend the device decides: CUDA's backends (triton, cuda) quantize rows with the
+    reference formula, the CPU's does not (only evaluated here: no CUDA tensor is made)."""
+    assert traces_linear_quantizer(torch.device("cuda", 0))
+    assert not traces_linear_quantizer(torch.device("cpu"))
+    monkeypatch.setenv("INT8_ACCEL_TRACED_QUANTIZER", "0")
+    assert not traces_linear_quantizer(torch.device("cuda", 0))
+
+
+def test_inductor_runs_the_traced_quantizer_with_the_same_result_on_the_cpu():
+    """The quantizer alone compiled by inductor quantizes as the eager kernel does (the same output bit for bit);
+    fused into a LayerNorm it sees inductor's LayerNorm, which rounds a little differently from eager's."""
+    q, s, b = _layer(seed=1)
+    x = torch.randn(3, 24, 64)
+    with force_kernel_backend("cuda"), torch.no_grad():
+        eager = int8_linear(x, q, s, b)
+        with record_calls() as calls:
+            compiled = torch.compile(lambda x: int8_linear(x, q, s, b), backend="inductor")(x)
+        assert calls == {("linear", "cuda", "int8"): 1}
+        assert torch.equal(compiled, eager)
+        normed = torch.compile(_normed_projection(q, s, b), backend="inductor")(x)
+        eager_normed = _normed_projection(q, s, b)(x)
+    assert normalized_mse(normed, eager_normed) < 1e-6
+
+
+@pytest.mark.parametrize("why", ["switched off", "cpu backend"])
+def test_the_whole_op_stays_where_the_quantizer_is_not_traced(monkeypatch, why):
+    """INT8_ACCEL_TRACED_QUANTIZER=0, or a backend that quantizes another way (the cpu backend): the graph holds
+    the whole INT8 Linear op, as before."""
+    q, s, b = _layer(seed=2)
+    backend = RecordingBackend()
+    forced = "cuda"
+    if why == "switched off":
+        monkeypatch.setenv("INT8_ACCEL_TRACED_QUANTIZER", "0")
+    else:
+        forced = "cpu"
+    x = torch.randn(2, 40, 64)
+    with force_kernel_backend(forced), torch.no_grad():
+        assert not traces_linear_quantizer(x.device)
+        eager = _normed_projection(q, s, b)(x)
+        compiled = torch.compile(_normed_projection(q, s, b), backend=backend)(x)
+    assert backend.int8_ops() == ["int8_accel.linear"]
+    assert torch.equal(compiled, eager)
+
+
+def test_an_empty_input_gives_an_empty_output_through_the_split_op():
+    q, s, b = _layer(seed=3)
+    with force_kernel_backend("cuda"), torch.no_grad():
+        y = torch.compile(lambda x: int8_linear(x, q, s, b), backend="aot_eager")(torch.randn(0, 64))
+    assert y.shape == (0, 48)
