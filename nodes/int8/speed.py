@@ -185,7 +185,8 @@ class Sample:
 
 
 def _sample(call: Callable[[], object], plan: TimingPlan, run_queue: RunQueueWait | None) -> Sample:
-    """One sample of `call`, or with the plan's `replay`, of the replay `call` is (one per sample)."""
+    """One sample, in seconds per call: `calls_per_sample` calls of `call`, or where the plan replays graphs one
+    call of `call`, which replays that many."""
     waited = None if run_queue is None else run_queue.seconds()
     if plan.replay is None:
         seconds = seconds_per_call(call, plan.clock, plan.calls_per_sample)
