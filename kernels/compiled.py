@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .quantizer_tracing import untraced_linear_quantizer
+
 LOGGER_NAME = "int8_accel.kernels"
 log = logging.getLogger(LOGGER_NAME)
 
@@ -83,6 +85,9 @@ class CompiledOrEager:
         with contextlib.ExitStack() as stack:
             for module, changes in self.config_patches:
                 stack.enter_context(module.patch(changes))
+            if self.compile_kwargs.get("backend", "inductor") != "inductor":
+                # only inductor fuses a traced activation quantizer; others would run it as separate ops
+                stack.enter_context(untraced_linear_quantizer())
             return compiled(*args, **kwargs)
 
     def _holds_compiled_code(self) -> bool:

@@ -34,6 +34,7 @@ from .policy import (
     kernel_backend_unavailable_reason as kernel_backend_unavailable_reason,  # where callers looked it up before
 )
 from .quant import conv_output_shape, pair, quantize_rows_symmetric
+from .quantizer_tracing import quantizer_untraced
 
 
 class _Recorders(threading.local):
@@ -231,12 +232,14 @@ def traces_linear_quantizer(device: torch.device | str) -> bool:
     reference formula, which inductor can fuse into the ops before it, a LayerNorm or a GELU, and share between
     projections of one input) and only its GEMM in an INT8 op, `int8_accel::linear_quantized`: on CUDA tensors, whose backends
     (triton, or cuda without Triton) both quantize rows with that formula, or where a backend with
-    `linear_quantized` is forced; unless INT8_ACCEL_TRACED_QUANTIZER=0. Dynamo traces this, so it reads nothing
+    `linear_quantized` is forced; not inside `untraced_linear_quantizer`, nor with INT8_ACCEL_TRACED_QUANTIZER=0.
+    Dynamo traces this, so it reads nothing
     but the device, the thread's forced backend and the environment (PyTorch 2.4's dynamo does not see the
     forced backend, a thread-local, and keeps the whole op there; in production nothing is forced)."""
     forced = forced_kernel_backend()
     splits = forced in _QUANTIZED_ROWS_BACKENDS if forced is not None else torch.device(device).type == "cuda"
-    return _linear_quantized_op is not None and splits and traced_linear_quantizer()
+    return (_linear_quantized_op is not None and splits and not quantizer_untraced()
+            and traced_linear_quantizer())
 
 
 # A tuple, not a set: PyTorch 2.4's dynamo answers `in` on a frozenset wrongly.

@@ -144,3 +144,31 @@ def test_an_empty_input_gives_an_empty_output_through_the_split_op():
     with force_kernel_backend("cuda"), torch.no_grad():
         y = torch.compile(lambda x: int8_linear(x, q, s, b), backend="aot_eager")(torch.randn(0, 64))
     assert y.shape == (0, 48)
+
+
+@pytest.mark.parametrize(("backend", "traced"), [("inductor", True), ("aot_eager", False), ("eager", False)])
+def test_only_inductor_regions_trace_the_quantizer(monkeypatch, backend, traced):
+    """Compile Model's regions (CompiledOrEager) with another compile backend keep the Linear whole: only inductor
+    fuses a traced quantizer; the others would run it as separate ops instead of its one kernel. Told apart by
+    which backend function the compiled call ends in: the whole op's `linear`, or `linear_quantized` alone."""
+    from comfyui_int8_accel.kernels import CompiledOrEager
+    from comfyui_int8_accel.kernels import cuda as cuda_backend
+
+    if not _dynamo_reads_the_forced_backend():
+        pytest.skip("this PyTorch's dynamo keeps the Linear whole under a forced backend in any case")
+    whole_calls = []
+    whole = cuda_backend.linear
+    monkeypatch.setattr(cuda_backend, "linear", lambda *args: whole_calls.append(1) or whole(*args))
+    q, s, b = _layer(seed=4)
+    x = torch.randn(2, 24, 64)
+    region = CompiledOrEager(_normed_projection(q, s, b), name="test region",
+                             compile_kwargs={"backend": backend, "dynamic": True})
+    with force_kernel_backend("cuda"), torch.no_grad(), record_calls() as calls:
+        out = region(x)
+        eager = _normed_projection(q, s, b)(x)
+    assert region.disabled_reason is None
+    assert calls == {("linear", "cuda", "int8"): 2}
+    assert len(whole_calls) == (1 if traced else 2)  # eager's call, and the region's unless traced
+    assert normalized_mse(out, eager) < 1e-6
+    with force_kernel_backend("cuda"):
+        assert traces_linear_quantizer(x.device)  # outside the region, as before
