@@ -228,14 +228,14 @@ def int8_linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, 
 
 
 def traces_linear_quantizer(device: torch.device | str) -> bool:
-    """Whether a Linear traced by torch.compile on `device` has its activation quantizer traced as torch ops (the
-    reference formula, which inductor can fuse into the ops before it, a LayerNorm or a GELU, and share between
-    projections of one input) and only its GEMM in an INT8 op, `int8_accel::linear_quantized`: on CUDA tensors, whose backends
-    (triton, or cuda without Triton) both quantize rows with that formula, or where a backend with
-    `linear_quantized` is forced; not inside `untraced_linear_quantizer`, nor with INT8_ACCEL_TRACED_QUANTIZER=0.
-    Dynamo traces this, so it reads nothing
-    but the device, the thread's forced backend and the environment (PyTorch 2.4's dynamo does not see the
-    forced backend, a thread-local, and keeps the whole op there; in production nothing is forced)."""
+    """Whether a Linear traced by torch.compile on `device` has its activation quantizer traced as torch ops and
+    only its GEMM in an INT8 op, `int8_accel::linear_quantized` (inductor can then fuse the quantizer, the
+    reference formula, into the ops before it, a LayerNorm or a GELU, and share it between projections of one
+    input): on CUDA tensors, whose backends (triton, or cuda without Triton) both quantize rows with that formula,
+    or where a backend with `linear_quantized` is forced; not inside `untraced_linear_quantizer`, nor with
+    INT8_ACCEL_TRACED_QUANTIZER=0. Dynamo traces this, so it reads nothing but the device, the thread's forced
+    backend and the environment (PyTorch 2.4's dynamo does not see the forced backend, a thread-local, and keeps
+    the whole op there; in production nothing is forced)."""
     forced = forced_kernel_backend()
     splits = forced in _QUANTIZED_ROWS_BACKENDS if forced is not None else torch.device(device).type == "cuda"
     return (_linear_quantized_op is not None and splits and not quantizer_untraced()
