@@ -58,6 +58,21 @@ def pack(comfy_root):
     return load_pack()
 
 
+@pytest.fixture(scope="module")
+def quant(pack):
+    """The INT8 core (`nodes.int8`): `apply_int8`, `settings_from_widgets`, `int8_plan`."""
+    return importlib.import_module("comfyui_int8_accel.nodes.int8")
+
+
+@pytest.fixture
+def calibration_cache(tmp_path, monkeypatch) -> Path:
+    """A fresh calibration cache folder for the test (INT8_ACCEL_CACHE_DIR), so no decision cached by another test
+    or run is read; test files that calibrate use it with `pytestmark = pytest.mark.usefixtures(...)`."""
+    folder = tmp_path / "calibration"
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(folder))
+    return folder
+
+
 @pytest.fixture(params=[7, 8], ids=["7-bit", "8-bit"])
 def weight_width(request, monkeypatch) -> int:
     """Run the test with both INT8 weight widths on any CPU: 7 bits through INT8_ACCEL_WEIGHT_BITS=7 (what a CPU

@@ -22,15 +22,12 @@ from tests.support import comfy038
 from tests.support.int8_checks import ALL_INT8, WEIGHT_ERROR_SCALE, all_int8_layers, rel
 from tests.support.lora import apply_lora, lora_for_shapes, make_lora
 
+pytestmark = pytest.mark.usefixtures("calibration_cache")
+
 # How ComfyUI hands LoRA to a layer: merged into the weight at load; per forward through 0.3.75's LowVramPatch
 # (calls convert_func) or 0.38.1's (never does), both in `weight_function`; or through 0.38.1's dynamic VRAM
 # (`weight_lowvram_function`).
 CONTRACTS = ("merged", "lowvram_0.3.75", "lowvram_0.38", "dynamic_vram_0.38")
-
-
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
 
 
 def test_contracts_are_detected_by_feature(comfy_root, monkeypatch):

@@ -26,12 +26,9 @@ from harness.tiny_models import build_tiny_model, detect_tiny, sample
 from tests.support.comfy038_quant import core_038_reading, load_as_core_038
 from tests.support.int8_checks import ALL_INT8, WEIGHT_ERROR_SCALE, rel
 
+pytestmark = pytest.mark.usefixtures("calibration_cache")
+
 LEGACY_CONV_LAYOUT = "conv2d_oihw"  # what the pack wrote for Conv2d before: 4-D weight, [out, 1, 1, 1] scale
-
-
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
 
 
 def saved_tiny_sd15() -> tuple[torch.nn.Module, dict[str, torch.nn.Module], dict[str, torch.Tensor]]:

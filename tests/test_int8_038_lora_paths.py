@@ -16,10 +16,7 @@ from harness.tiny_models import build_tiny_model, detect_tiny, latent_channels, 
 from tests.support.int8_checks import all_int8_layers, rel
 from tests.support.lora import make_lora
 
-
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
+pytestmark = pytest.mark.usefixtures("calibration_cache")
 
 
 def _hooked_call(patcher, hooks) -> torch.Tensor:

@@ -46,10 +46,7 @@ from harness.tiny_models import (
 from tests.support.int8_checks import ALL_INT8, all_int8_layers, rel
 from tests.support.lora import apply_lora, make_lora
 
-
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
+pytestmark = pytest.mark.usefixtures("calibration_cache")
 
 
 # --- the format ---------------------------------------------------------------------------------------------------

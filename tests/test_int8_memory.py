@@ -4,8 +4,6 @@ copies of the layers it offloads, and a low-VRAM load samples what a full load s
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -15,14 +13,8 @@ from tests.support.int8_checks import ALL_INT8
 
 
 @pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
+def isolated_cache(calibration_cache, monkeypatch):
     monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "0")  # every eligible layer in INT8, whatever this CPU's speed
-
-
-@pytest.fixture(scope="module")
-def quant(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.int8")
 
 
 def _quantized(quant, base):

@@ -23,14 +23,11 @@ from harness.tiny_models import build_tiny_model, sample
 from tests.support.triton_toolchain import compiled_triton_on_cuda
 from tests.support.workflows_common import PENDING, report_table_rows
 
+pytestmark = pytest.mark.usefixtures("calibration_cache")
+
 PICTURE_SIZE = (512, 768)  # height, width
 INT8_COLOUR = (30, 150, 60)
 ALL_INT8 = dict(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
-
-
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ from tests.support.int8_checks import ALL_INT8
 
 
 @pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
+def isolated_cache(calibration_cache, monkeypatch):
     monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "0")  # every eligible layer in INT8, whatever this CPU's speed
 
 

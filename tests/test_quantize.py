@@ -14,17 +14,9 @@ from tests.support.int8_checks import WEIGHT_ERROR_SCALE
 from tests.support.lora import apply_lora, make_lora
 from tests.support.workflows_common import report_table_rows
 
+pytestmark = pytest.mark.usefixtures("calibration_cache")
+
 KINDS = ["sd15", "sdxl", "flux", "sd3"]
-
-
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
-
-
-@pytest.fixture(scope="module")
-def quant(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.int8")
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,7 @@ import torch
 
 from harness.tiny_models import build_tiny_model, sample
 
-
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path / "calibration"))
-
-
-@pytest.fixture(scope="module")
-def quant(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.int8")
+pytestmark = pytest.mark.usefixtures("calibration_cache")
 
 
 @pytest.fixture(scope="module")
