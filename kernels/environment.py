@@ -16,6 +16,7 @@ MIN_REDUCTION = "INT8_ACCEL_MIN_REDUCTION"
 IM2COL_MAX_ROWS = "INT8_ACCEL_IM2COL_MAX_ROWS"
 COMPILE_QUANTIZER = "INT8_ACCEL_COMPILE_QUANTIZER"
 TRACED_QUANTIZER = "INT8_ACCEL_TRACED_QUANTIZER"
+TRACED_QUANTIZER_CHOICES = ("1", "0")
 TRITON_LINEAR = "INT8_ACCEL_TRITON_LINEAR"
 TRITON_LINEAR_CHOICES = ("auto", "int-mm", "fused")
 TRITON_CONV = "INT8_ACCEL_TRITON_CONV"
@@ -96,5 +97,6 @@ def triton_conv_layout() -> str:
 def traced_linear_quantizer() -> bool:
     """Whether torch.compile traces a GPU Linear's per-token activation quantizer as torch ops, apart from its
     GEMM, so that inductor fuses it into the ops before it (read when a graph is traced). `INT8_ACCEL_TRACED_QUANTIZER=0`
-    keeps it inside the INT8 op, a kernel of its own, as in eager mode."""
-    return os.environ.get(TRACED_QUANTIZER, "").strip() != "0"
+    keeps it inside the INT8 op, a kernel of its own, as in eager mode; `1` (or unset) traces it; any other value is
+    an error."""
+    return _choice(TRACED_QUANTIZER, TRACED_QUANTIZER_CHOICES) == "1"

@@ -101,6 +101,9 @@ def test_a_cuda_tensor_is_split_unless_switched_off_and_a_cpu_tensor_is_not(monk
     assert not traces_linear_quantizer(torch.device("cpu"))
     monkeypatch.setenv("INT8_ACCEL_TRACED_QUANTIZER", "0")
     assert not traces_linear_quantizer(torch.device("cuda", 0))
+    monkeypatch.setenv("INT8_ACCEL_TRACED_QUANTIZER", "off")  # a typo is refused, not read as on
+    with pytest.raises(ValueError, match="INT8_ACCEL_TRACED_QUANTIZER='off': expected one of 1, 0"):
+        traces_linear_quantizer(torch.device("cuda", 0))
 
 
 def test_inductor_runs_the_traced_quantizer_with_the_same_result_on_the_cpu():
