@@ -99,7 +99,7 @@ def test_missing_backend_runs_eagerly(cm, caplog):
 
 def test_repeated_blocks(blocks):
     from comfy.ldm.flux.layers import DoubleStreamBlock, SingleStreamBlock
-    from comfy.ldm.modules.attention import SpatialTransformer
+    from comfy.ldm.modules.attention import BasicTransformerBlock
     from comfy.ldm.modules.diffusionmodules.mmdit import JointBlock
     from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
 
@@ -107,9 +107,9 @@ def test_repeated_blocks(blocks):
         return Counter(type(b) for b in blocks.repeated_blocks(_tiny(kind).model.diffusion_model))
 
     # tiny UNet: 2 input levels of (ResBlock, transformer), a middle (ResBlock, transformer, ResBlock),
-    # 4 output blocks of (ResBlock, transformer)
-    assert kinds("sd15") == {ResBlock: 8, SpatialTransformer: 7}
-    assert kinds("sdxl") == {ResBlock: 8, SpatialTransformer: 7}
+    # 4 output blocks of (ResBlock, transformer); each transformer of depth 1
+    assert kinds("sd15") == {ResBlock: 8, BasicTransformerBlock: 7}
+    assert kinds("sdxl") == {ResBlock: 8, BasicTransformerBlock: 7}
     assert kinds("flux") == {DoubleStreamBlock: 2, SingleStreamBlock: 2}
     assert kinds("sd3") == {JointBlock: 3}
 
@@ -161,6 +161,30 @@ def test_blocks_match_eager_and_reuse_graphs(cm, blocks, kind):
     for height, width, reference in ((h2, w2, eager_other), (h1, w1, eager), (h2, w2, eager_other)):
         assert _rel(sample(compiled, kind, steps=2, height=height, width=width), reference) < RTOL
     assert len(compiled_graphs) == graphs, "a LoRA, a strength or a resolution change recompiled"
+
+
+DEEP_TRANSFORMERS = {"transformer_depth": [1, 3], "transformer_depth_output": [1, 1, 3, 3],
+                     "transformer_depth_middle": 3}
+
+
+def test_unet_transformers_of_every_depth_share_the_graphs(cm, blocks, monkeypatch):
+    """SDXL's SpatialTransformers are 2 and 10 blocks deep: compiled per transformer block, a UNet whose
+    transformers are 3 deep runs on the graphs compiled for one whose transformers are 1 deep (a
+    SpatialTransformer's graph would unroll its depth and compile again for each), matching eager."""
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+
+    monkeypatch.setattr(blocks, "_block_regions", {})  # regions of their own: none compiled by another test
+    shallow = _tiny("sdxl")
+    with torch.inference_mode():
+        deep = build_tiny_model("sdxl", seed=1, unet_config={**UNET_WIDTH, **DEEP_TRANSFORMERS})
+    depths = Counter(type(b) for b in blocks.repeated_blocks(deep.model.diffusion_model))
+    assert depths[BasicTransformerBlock] == (1 + 3) + 3 + (1 + 1 + 3 + 3)  # input, middle, output transformers
+    sample(_blocks(cm, shallow), "sdxl", steps=2, height=64, width=64)
+    graphs, runs = len(compiled_graphs), sum(graph_runs.values())
+    eager = sample(deep, "sdxl", steps=2, height=64, width=64)
+    assert _rel(sample(_blocks(cm, deep), "sdxl", steps=2, height=64, width=64), eager) < RTOL
+    assert len(compiled_graphs) == graphs, "a deeper transformer compiled its own graph"
+    assert sum(graph_runs.values()) - runs >= 2 * sum(depths.values())
 
 
 def _with_deepcache(model):

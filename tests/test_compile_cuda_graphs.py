@@ -67,7 +67,7 @@ def test_cuda_graph_modes_say_they_replay_no_graphs_off_cuda(cm, caplog):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
 def test_modes_mark_a_step_per_model_call_and_hand_no_graph_output_to_the_model(cm, mode, monkeypatch):
-    from comfy.ldm.modules.attention import SpatialTransformer
+    from comfy.ldm.modules.attention import BasicTransformerBlock
     from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
 
     from comfyui_int8_accel.kernels import CompiledOrEager
@@ -109,13 +109,13 @@ def test_modes_mark_a_step_per_model_call_and_hand_no_graph_output_to_the_model(
     out = sample(compiled, "sd15", steps=2, height=64, width=64)
 
     assert _rel(out, eager) < RTOL
-    for cls in (ResBlock, SpatialTransformer):
+    for cls in (ResBlock, BasicTransformerBlock):
         region = blocks.block_region(cls, cm.CompileSettings(mode=mode))
         assert region.compiled is not None and region.disabled_reason is None, cls
-    block_names = {"ResBlock blocks", "SpatialTransformer blocks"}
+    block_names = {"ResBlock blocks", "BasicTransformerBlock blocks"}
     calls = events.count("model call")
     assert calls >= 2 and set(events) <= {"model call", "step", *block_names}
-    # 8 ResBlocks and 7 transformers per model call, each through its class's region
+    # 8 ResBlocks and 7 transformer blocks per model call, each through its class's region
     assert sum(name in block_names for name in events) == 15 * calls
     graph_outputs = {ptr for output in compiled_outputs for ptr in _storages(output)}
     reaching_model = ({ptr for output in handed_outputs for ptr in _storages(output)}

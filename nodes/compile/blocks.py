@@ -1,17 +1,22 @@
 """The blocks strategy: every repeated block of the diffusion model runs through one compiled region per block
 class, swapped in only while the model runs.
 
-Which blocks: a UNet's ResBlocks and SpatialTransformers (inside its input, middle and output blocks), else
-the block lists of a DiT (direct child ModuleLists of one block class holding a real share of the weights:
-Flux's double and single blocks, SD3's joint blocks, most other DiTs' `blocks`/`layers`), else the largest
-such list anywhere. Everything between blocks (embeddings, the sampler-facing forward, DeepCache's step logic,
-ControlNet additions) stays eager Python, so block replacements and skipped blocks compose.
+Which blocks: a UNet's ResBlocks and the transformer blocks of its SpatialTransformers (inside its input, middle
+and output blocks), else the block lists of a DiT (direct child ModuleLists of one block class holding a real
+share of the weights: Flux's double and single blocks, SD3's joint blocks, most other DiTs' `blocks`/`layers`),
+else the largest such list anywhere. Everything between blocks (embeddings, the sampler-facing forward,
+DeepCache's step logic, ControlNet additions, a SpatialTransformer's norm and projections) stays eager Python,
+so block replacements and skipped blocks compose.
+
+A UNet's transformer blocks, not its SpatialTransformers: a region's graph unrolls every block inside it, so
+each depth was a graph of its own, compiled again, and the larger the longer (SDXL's depth-10 transformers took
+over 3 minutes on an H200); one transformer block's graph serves every depth.
 
 Recompiles: a region's graphs serve every block of its class (weights are graph inputs, and with dynamic
 shapes so are their sizes), so LoRA, strength changes and new resolutions reuse them. Two things would
 otherwise make dynamo guard per block or per weight and recompile:
-* a UNet transformer reads its position from transformer_options (only to look up attention patches), so its
-  region gets the options without the position when nothing reads it, and runs eagerly when something does;
+* a UNet transformer block reads its position from transformer_options (only to look up attention patches), so
+  its region gets the options without the position when nothing reads it, and runs eagerly when something does;
 * loaded weights have requires_grad=True while ComfyUI installs LoRA-patched ones with False, so the weights of
   the swapped-in blocks run with False (restored afterwards; sampling never needs their gradients).
 A block runs eagerly while Python code watches or patches its layers (`runs_eagerly`).
@@ -42,15 +47,20 @@ POSITION_READING_REPLACEMENTS = ("attn1", "attn2")
 
 
 def _unet_blocks(diffusion_model: torch.nn.Module) -> list[torch.nn.Module] | None:
-    from comfy.ldm.modules.attention import SpatialTransformer
+    from comfy.ldm.modules.attention import BasicTransformerBlock, SpatialTransformer
     from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, UNetModel
 
     if not isinstance(diffusion_model, UNetModel):
         return None
     stages = [*diffusion_model.input_blocks, diffusion_model.middle_block, *diffusion_model.output_blocks]
+    blocks = []
     # exact classes: the video variants take other arguments and are left eager
-    return [layer for stage in stages if stage is not None for layer in stage
-            if type(layer) in (ResBlock, SpatialTransformer)]
+    for layer in (layer for stage in stages if stage is not None for layer in stage):
+        if type(layer) is ResBlock:
+            blocks.append(layer)
+        elif type(layer) is SpatialTransformer:
+            blocks.extend(block for block in layer.transformer_blocks if type(block) is BasicTransformerBlock)
+    return blocks
 
 
 def _parameter_count(module: torch.nn.Module) -> int:
@@ -158,6 +168,7 @@ _logged_eager_transformers = False
 
 
 def _unet_transformer_forward(module: torch.nn.Module, region: CompiledRegion) -> Callable:
+    """A UNet transformer block's forward through its region, with the options stripped of its position."""
     def forward(x, context=None, transformer_options=None):
         global _logged_eager_transformers
         if transformer_options is None:
@@ -188,14 +199,14 @@ def _block_forward(module: torch.nn.Module, region: CompiledRegion) -> Callable:
 def plan_block_forwards(diffusion_model: torch.nn.Module,
                         settings: CompileSettings) -> list[tuple[torch.nn.Module, Callable]]:
     """The (block, forward) replacements for this call, chosen from the blocks present right now."""
-    from comfy.ldm.modules.attention import SpatialTransformer
+    from comfy.ldm.modules.attention import BasicTransformerBlock
 
     plan = []
     for block in repeated_blocks(diffusion_model):
         if "forward" in block.__dict__:
             continue  # someone already swapped this one's forward for the call: leave it
         region = block_region(type(block), settings)
-        if type(block) is SpatialTransformer:
+        if type(block) is BasicTransformerBlock:
             plan.append((block, _unet_transformer_forward(block, region)))
         else:
             plan.append((block, _block_forward(block, region)))
