@@ -167,7 +167,7 @@ def _weights_managed_per_forward(block: torch.nn.Module) -> bool:
 _logged_eager_transformers = False
 
 
-def _unet_transformer_forward(module: torch.nn.Module, region: CompiledRegion) -> Callable:
+def unet_transformer_forward(module: torch.nn.Module, region: CompiledRegion) -> Callable:
     """A UNet transformer block's forward through its region, with the options stripped of its position."""
     def forward(x, context=None, transformer_options=None):
         global _logged_eager_transformers
@@ -207,7 +207,7 @@ def plan_block_forwards(diffusion_model: torch.nn.Module,
             continue  # someone already swapped this one's forward for the call: leave it
         region = block_region(type(block), settings)
         if type(block) is BasicTransformerBlock:
-            plan.append((block, _unet_transformer_forward(block, region)))
+            plan.append((block, unet_transformer_forward(block, region)))
         else:
             plan.append((block, _block_forward(block, region)))
     return plan
