@@ -131,6 +131,10 @@ VARIANTS = (
     # the Linear's activation quantizer as its own kernel inside the INT8 op, as before inductor could fuse it
     Variant("INT8 + Compile Model (reduce-overhead), quantizer as a kernel", int8=True, compile=True,
             compile_mode="reduce-overhead", env=(("INT8_ACCEL_TRACED_QUANTIZER", "0"),)),
+    # the stack with CUDA graphs: its blocks' graphs are those of "INT8 + Compile Model (reduce-overhead)", so
+    # after that row it records graphs for DeepCache's shallow steps and compiles nothing new
+    Variant("INT8 + DeepCache + Compile Model (reduce-overhead)", int8=True, deepcache=True, compile=True,
+            compile_mode="reduce-overhead"),
 )
 
 
