@@ -238,3 +238,26 @@ def loader_accepts_disable_dynamic() -> bool:
     import comfy.sd
 
     return "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters
+
+
+def is_dynamic(patcher) -> bool:
+    """Whether `patcher` is ComfyUI's dynamic-VRAM patcher (`ModelPatcherDynamic`, 0.38's default on NVIDIA),
+    whose loads leave every layer over 16 KiB in system memory and stream it per forward."""
+    query = getattr(patcher, "is_dynamic", None)
+    return bool(callable(query) and query())
+
+
+def resident_clone(patcher) -> tuple[object, str | None]:
+    """(clone, problem): a clone of `patcher` whose weights ComfyUI loads onto the device the ordinary way instead
+    of streaming them layer by layer, as core's TorchCompileModel takes one (compiled code cannot run the streaming
+    cast, so a streamed layer would keep its block eager). For a dynamic patcher that is
+    `clone(disable_dynamic=True)`: ComfyUI loads the model again through the loader that made it
+    (`cached_patcher_init`), a second copy in system memory. `problem` says why it could not be had (a loader that
+    registered no way to load again), and the clone is then an ordinary one; any other patcher gets an ordinary
+    clone and None."""
+    if not is_dynamic(patcher):
+        return patcher.clone(), None
+    try:
+        return patcher.clone(disable_dynamic=True), None
+    except RuntimeError as error:  # "Cannot create non-dynamic delegate: cached_patcher_init is not initialized."
+        return patcher.clone(), f"ComfyUI cannot load this model again without streaming its weights ({error})"

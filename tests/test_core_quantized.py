@@ -241,18 +241,9 @@ def test_our_loader_refuses_core_formats_it_cannot_read(comfy_root, monkeypatch)
 def _one_model_call_under_dynamic_vram(patcher, monkeypatch) -> int:
     """One model call of `patcher` loaded the way ComfyUI 0.38.1's ModelPatcherDynamic.load loads it (comfy038's
     emulation); returns how many INT8 kernel calls ran the W8A8 arithmetic."""
-    from harness.tiny_models import latent_channels, make_conditioning
     from tests.support import comfy038
 
-    gen = torch.Generator().manual_seed(3)
-    positive, _ = make_conditioning("sd15", batch=2)
-    x, t = torch.randn(2, latent_channels("sd15"), 16, 16, generator=gen), torch.tensor([700.0, 700.0])
-    with comfy038.dynamic_vram_load(patcher, monkeypatch), torch.inference_mode():
-        cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
-        cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
-        with record_calls() as counted:
-            patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
-    return sum(n for (op, backend, path), n in counted.items() if path == "int8")
+    return comfy038.model_call(patcher, monkeypatch, dynamic=True)[1]
 
 
 def test_lora_reaches_the_int8_copies_of_core_quantized_layers_under_dynamic_vram(comfy_root, monkeypatch):

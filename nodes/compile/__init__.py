@@ -11,7 +11,9 @@ real modules, LoRA keeps working and the shared base model is never changed. Two
   on a CPU (the time goes into convolutions and GEMMs Inductor hands to the same kernels).
 
 Weights are graph inputs in both, so a LoRA or strength change never recompiles. A missing compile backend or compiler
-degrades to eager with a warning, never a failed prompt.
+degrades to eager with a warning, never a failed prompt. A model whose weights ComfyUI streams layer by layer
+(dynamic VRAM, 0.38's default on NVIDIA) is compiled on a copy ComfyUI loads without streaming, as its own
+TorchCompileModel does; where it cannot make one, the blocks run eagerly and the node says why.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 
 import torch
 
+from ..comfy_contracts import resident_clone
 from ..cuda_graph_replay import mark_cuda_graph_replay
 from .attention import install_sdpa_override
 from .blocks import make_blocks_wrapper
@@ -32,9 +35,16 @@ from .swap import make_apply_model_wrapper
 log = logging.getLogger("int8_accel.compile")
 
 WRAPPER_KEY = "int8_accel_compile"
+EAGER_ATTACHMENT = "int8_accel_compile_eager"  # why Compile Model compiles nothing of this model
 
 __all__ = ["DYNAMIC_CHOICES", "MODE_CHOICES", "STRATEGY_CHOICES", "STRATEGY_ENV", "CompileSettings",
-           "available_compile_backends", "compile_model", "resolve_strategy"]
+           "available_compile_backends", "compile_model", "eager_reason", "resolve_strategy"]
+
+
+def eager_reason(model) -> str | None:
+    """Why Compile Model compiles nothing of `model` (its diffusion model runs eagerly), or None."""
+    get_attachment = getattr(model, "get_attachment", None)
+    return get_attachment(EAGER_ATTACHMENT) if get_attachment is not None else None
 
 
 def compile_model(model, settings: CompileSettings, *, strategy: str | None = None, regions: bool = True,
@@ -62,8 +72,15 @@ def compile_model(model, settings: CompileSettings, *, strategy: str | None = No
                     "them", f"backend {settings.backend}" if settings.backend != "inductor" else f"mode {settings.mode}",
                     device.type)
 
-    compiled = model.clone()
+    compiled, streamed = resident_clone(model) if problem is None else (model.clone(), None)
+    if streamed is not None:
+        problem = (f"{streamed}, and compiled blocks cannot stream weights (dynamic VRAM), so they run eagerly; "
+                   f"load the model with one of ComfyUI's loaders, or start ComfyUI with --disable-dynamic-vram")
+        log.warning("int8-accel compile: %s", problem)
     compiled.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    compiled.remove_attachments(EAGER_ATTACHMENT)
+    if problem is not None:
+        compiled.set_attachments(EAGER_ATTACHMENT, problem)
     if problem is None and settings.uses_cuda_graphs() and device.type == "cuda":
         mark_cuda_graph_replay(compiled)  # INT8 calibration times its layers as graph replays then
     if chosen == "blocks":

@@ -19,8 +19,11 @@ class Int8AccelCompile(io.ComfyNode):
                 "blocks (UNet, Flux, SD3 and other DiTs); on the CPU the pieces measured faster there "
                 "(prepacked conv/linear weights, fused attention, the GEGLU gate). Compiles on the first run; "
                 "LoRA and strength changes never recompile, nor do new resolutions with dynamic auto/true; falls "
-                "back to eager with a warning if the compile backend or compiler is missing. INT8_ACCEL_COMPILE_STRATEGY=blocks|cpu-pieces overrides "
-                "the choice. The node says when it is compiling and, after each run, how long it took."),
+                "back to eager with a warning if the compile backend or compiler is missing. Under ComfyUI's dynamic VRAM "
+                "(the default on NVIDIA), which streams weights layer by layer, it compiles a copy ComfyUI loads "
+                "without streaming, as ComfyUI's TorchCompileModel does. INT8_ACCEL_COMPILE_STRATEGY=blocks|cpu-pieces "
+                "overrides the choice. The node says when it is compiling and, after each run, how long it took, or "
+                "why it runs eagerly."),
             inputs=[
                 io.Model.Input("model", tooltip="The model to compile (it is cloned, never changed)."),
                 io.Combo.Input("backend", options=available_compile_backends(), default="inductor", tooltip=(

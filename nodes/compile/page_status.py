@@ -1,5 +1,6 @@
 """What Compile Model is doing, shown on its node in the page: that it is compiling (from the first graph a
-sampling run compiles), then how long that run took and how much of it was compiling."""
+sampling run compiles), then how long that run took and how much of it was compiling; or, where it compiles
+nothing of the model (`eager_reason`), that it runs eagerly and why."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from comfy.patcher_extension import WrappersMP
 
 from ..page import show_on_node
+from . import eager_reason
 from .compile_events import add_compile_listener
 
 PAGE_KEY = "int8_accel_compile_page"
@@ -45,7 +47,9 @@ def _on_compile_end(compile_id: object, seconds: float) -> None:
             run.compile_seconds += seconds
 
 
-def run_summary(compiles: int, compile_seconds: float, seconds: float) -> str:
+def run_summary(compiles: int, compile_seconds: float, seconds: float, eager: str | None = None) -> str:
+    if eager is not None:
+        return f"ran eagerly, nothing compiled: {eager}; sampling took {seconds:.1f} s"
     if compiles:
         return (f"compiled {compiles} graph{'s' if compiles > 1 else ''} in {compile_seconds:.1f} s; this first "
                 f"run took {seconds:.1f} s (later runs at these settings reuse the graphs)")
@@ -53,9 +57,13 @@ def run_summary(compiles: int, compile_seconds: float, seconds: float) -> str:
 
 
 def show_runs_on_node(model, node_id: str | None) -> None:
-    """Watch every sampling run of `model` (a Compile Model clone) and keep the node `node_id` told."""
+    """Watch every sampling run of `model` (a Compile Model clone) and keep the node `node_id` told; a model it
+    compiles nothing of says so at once."""
     if node_id is None:
         return
+    eager = eager_reason(model)
+    if eager is not None:
+        show_on_node(f"runs eagerly, nothing compiled: {eager}", node_id)
     add_compile_listener(_on_compile_start, _on_compile_end)
 
     def compile_page_status(executor, *args, **kwargs):
@@ -66,7 +74,7 @@ def show_runs_on_node(model, node_id: str | None) -> None:
             return executor(*args, **kwargs)
         finally:
             _runs().remove(run)
-            show_on_node(run_summary(run.compiles, run.compile_seconds, time.perf_counter() - start), node_id)
+            show_on_node(run_summary(run.compiles, run.compile_seconds, time.perf_counter() - start, eager), node_id)
 
     model.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, PAGE_KEY)
     model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, PAGE_KEY, compile_page_status)

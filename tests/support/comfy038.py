@@ -423,3 +423,31 @@ def dynamic_vram_casts(monkeypatch) -> Iterator[None]:
     with lowvram_patch_without_convert(monkeypatch), monkeypatch.context() as patch:
         patch.setattr(comfy.ops, "cast_bias_weight", _streamed_cast(comfy.ops.cast_bias_weight))
         yield
+
+
+def model_call(patcher, monkeypatch, kind: str = "sd15", size: int = 16,
+               dynamic: bool | None = None) -> tuple[torch.Tensor, int]:
+    """One direct model call of `patcher` (batch 2, a fixed latent and timestep) loaded the way its patcher loads
+    it, or as `dynamic` says: 0.38.1's dynamic-VRAM load (`dynamic_vram_load`) for a dynamic one (`make_dynamic`),
+    else 0.3.75's full load. Returns the output and how many INT8 kernel calls ran the W8A8 arithmetic."""
+    from comfyui_int8_accel.kernels import record_calls
+    from harness.tiny_models import latent_channels, make_conditioning
+
+    gen = torch.Generator().manual_seed(3)
+    positive, _ = make_conditioning(kind, batch=2)
+    x, t = torch.randn(2, latent_channels(kind), size, size, generator=gen), torch.tensor([700.0, 700.0])
+    if dynamic is None:
+        query = getattr(patcher, "is_dynamic", None)
+        dynamic = bool(callable(query) and query())
+    if dynamic:
+        loading = dynamic_vram_load(patcher, monkeypatch)
+    else:
+        patcher.patch_model(device_to=CPU)
+        loading = contextlib.ExitStack()
+        loading.callback(patcher.unpatch_model, device_to=CPU)
+    with loading, torch.inference_mode():
+        cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
+        cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
+        with record_calls() as counted:
+            out = patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
+    return out, sum(n for (op, backend, path), n in counted.items() if path == "int8")
