@@ -56,3 +56,26 @@ def test_compile_node_says_it_is_compiling_and_how_long_the_first_run_took(comfy
     assert shown[1][1].startswith("compiled ") and "this first run took" in shown[1][1]
     sample(compiled, "sd15", steps=2)
     assert shown[2] == ("21", shown[2][1]) and shown[2][1].startswith("nothing to compile"), shown[2]
+
+
+def test_compile_node_counts_the_block_calls_that_ran_eagerly_and_why(comfy_root, pack, shown, monkeypatch,
+                                                                      calibration_cache):
+    """Quantize Model (INT8) before Compile Model (blocks, as on a GPU): the first step calibrates with hooks on
+    every layer, so its block calls run eagerly, and the node says how many and why; the next run, none."""
+    from comfyui_int8_accel.nodes.int8 import QuantizeSettings, apply_int8
+
+    monkeypatch.setenv("INT8_ACCEL_COMPILE_STRATEGY", "blocks")
+    settings = QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    quantized = apply_int8(build_tiny_model("sd15", seed=9), settings)[0]
+    node = node_class(pack, "Int8AccelCompile", "22")
+    compiled = node.execute(quantized, backend="aot_eager", mode="default", dynamic="true", fullgraph=False).result[0]
+    sample(compiled, "sd15", steps=3)
+    first = shown[-1][1]
+    counts = first.split(". ", 1)[1]
+    eager, total = (int(n) for n in counts.split(" block calls")[0].split(" of "))
+    blocks = 15  # the tiny UNet's 8 ResBlocks and 7 transformer blocks, one model call per step
+    assert eager >= blocks and total - eager == 2 * blocks, first  # the calibrated step eager, the other two compiled
+    assert counts.endswith(f"ran eagerly: {eager} because its layers are watched (INT8 calibration's hooks, a forward "
+                           "hook or a dispatch mode)"), first
+    sample(compiled, "sd15", steps=3)
+    assert "ran eagerly" not in shown[-1][1], shown[-1]

@@ -19,7 +19,8 @@ otherwise make dynamo guard per block or per weight and recompile:
   its region gets the options without the position when nothing reads it, and runs eagerly when something does;
 * loaded weights have requires_grad=True while ComfyUI installs LoRA-patched ones with False, so the weights of
   the swapped-in blocks run with False (restored afterwards; sampling never needs their gradients).
-A block runs eagerly while Python code watches or patches its layers (`runs_eagerly`).
+A block runs eagerly while Python code watches or patches its layers (`block_eager_reason`); each block call is
+told to the compile-event listeners (`tell_block_run`), which is how the node reports them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from ..comfy_contracts import has_weight_patches, uses_vbar_cast
 from .attention import only_own_override
+from .compile_events import tell_block_run
 from .regions import CompiledRegion, mark_cuda_graph_step
 from .settings import BLOCK_RECOMPILE_LIMIT, CompileSettings
 from .swap import swapped_forwards
@@ -135,10 +137,16 @@ def block_region(cls: type, settings: CompileSettings) -> CompiledRegion:
     return _block_regions[key]
 
 
-def runs_eagerly(block: torch.nn.Module) -> bool:
-    """True while Python code runs inside the block's layers or watches them: a forward hook (INT8
-    calibration measures layers that way), a dispatch mode (FLOP counting), a weight patch applied per forward
-    (LoRA in low-VRAM or dynamic-VRAM mode: `*_function`, `*_lowvram_function`), or ComfyUI's dynamic-VRAM
+WATCHED = "its layers are watched (INT8 calibration's hooks, a forward hook or a dispatch mode)"
+PATCHED = "LoRA is applied to its weights on every call (layers ComfyUI keeps offloaded)"
+STREAMED = "ComfyUI streams its weights per call (dynamic VRAM)"
+POSITION_READ = "an attention patch reads the block's position"
+
+
+def block_eager_reason(block: torch.nn.Module) -> str | None:
+    """Why the block runs eagerly now, or None: Python code runs inside its layers or watches them: a forward
+    hook (INT8 calibration measures layers that way), a dispatch mode (FLOP counting), a weight patch applied per
+    forward (LoRA in low-VRAM or dynamic-VRAM mode: `*_function`, `*_lowvram_function`), or ComfyUI's dynamic-VRAM
     streaming of the layer's weights (the VBAR cast path). Compiled, the hooks and patches would be traced into
     the graph or split it, the streaming breaks the graph, and the mode would see none of the compiled ops."""
     from torch.nn.modules import module as nn_module
@@ -146,22 +154,29 @@ def runs_eagerly(block: torch.nn.Module) -> bool:
 
     if _get_current_dispatch_mode() is not None or nn_module._global_forward_hooks \
             or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in block.modules()) or _weights_managed_per_forward(
-        block)
+        return WATCHED
+    if any(m._forward_hooks or m._forward_pre_hooks for m in block.modules()):
+        return WATCHED
+    return _weights_managed_per_forward(block)
 
 
 _logged_managed_weights = False
 
 
-def _weights_managed_per_forward(block: torch.nn.Module) -> bool:
+def _weights_managed_per_forward(block: torch.nn.Module) -> str | None:
     global _logged_managed_weights
-    managed = any(has_weight_patches(m) or uses_vbar_cast(m) for m in block.modules())
-    if managed and not _logged_managed_weights:
+    reason = None
+    for module in block.modules():
+        if uses_vbar_cast(module):
+            reason = STREAMED
+            break
+        if has_weight_patches(module):
+            reason = PATCHED
+    if reason is not None and not _logged_managed_weights:
         _logged_managed_weights = True
         log.info("int8-accel compile: blocks whose weights ComfyUI streams (dynamic VRAM) or patches per forward "
                  "(LoRA on offloaded layers) run eagerly; the other blocks stay compiled")
-    return managed
+    return reason
 
 
 _logged_eager_transformers = False
@@ -173,14 +188,16 @@ def unet_transformer_forward(module: torch.nn.Module, region: CompiledRegion) ->
         global _logged_eager_transformers
         if transformer_options is None:
             transformer_options = {}
-        if runs_eagerly(module):
-            return type(module).forward(module, x, context, transformer_options)
-        options = position_free_options(transformer_options)
-        if options is None:
+        reason = block_eager_reason(module)
+        options = position_free_options(transformer_options) if reason is None else None
+        if reason is None and options is None:
+            reason = POSITION_READ
             if not _logged_eager_transformers:
                 _logged_eager_transformers = True
                 log.info("int8-accel compile: attention patches read the block position, so the UNet's "
                          "transformers run eagerly while they are present (the other blocks stay compiled)")
+        tell_block_run(reason)
+        if reason is not None:
             return type(module).forward(module, x, context, transformer_options)
         return region(module, x, context, options)
 
@@ -189,7 +206,9 @@ def unet_transformer_forward(module: torch.nn.Module, region: CompiledRegion) ->
 
 def _block_forward(module: torch.nn.Module, region: CompiledRegion) -> Callable:
     def forward(*args, **kwargs):
-        if runs_eagerly(module):
+        reason = block_eager_reason(module)
+        tell_block_run(reason)
+        if reason is not None:
             return type(module).forward(module, *args, **kwargs)
         return region(module, *args, **kwargs)
 

@@ -1,6 +1,6 @@
 """Dynamo's compile-start and compile-end callbacks, registered once for the pack, told to every listener with the
 compile's id and, at its end, its duration (the compiled regions' log lines and Compile Model's page status both
-listen)."""
+listen); and each block call of the blocks strategy, compiled or eager and why (the page status listens)."""
 
 from __future__ import annotations
 
@@ -64,3 +64,19 @@ def add_compile_listener(on_start: OnStart, on_end: OnEnd) -> None:
             _registered = True
         if (on_start, on_end) not in _listeners:
             _listeners.append((on_start, on_end))
+
+
+OnBlockRun = Callable[[str | None], None]  # (why the block ran eagerly, or None when it ran compiled)
+_block_listeners: list[OnBlockRun] = []
+
+
+def add_block_listener(on_block_run: OnBlockRun) -> None:
+    """Call `on_block_run(reason)` at every block call of the blocks strategy from now on (once per listener)."""
+    with _lock:
+        if on_block_run not in _block_listeners:
+            _block_listeners.append(on_block_run)
+
+
+def tell_block_run(eager_reason: str | None) -> None:
+    for on_block_run in list(_block_listeners):
+        on_block_run(eager_reason)

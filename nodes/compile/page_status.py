@@ -1,17 +1,18 @@
 """What Compile Model is doing, shown on its node in the page: that it is compiling (from the first graph a
-sampling run compiles), then how long that run took and how much of it was compiling; or, where it compiles
-nothing of the model (`eager_reason`), that it runs eagerly and why."""
+sampling run compiles), then how long that run took, how much of it was compiling and how many block calls ran
+eagerly and why; or, where it compiles nothing of the model (`eager_reason`), that it runs eagerly and why."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 from comfy.patcher_extension import WrappersMP
 
 from ..page import show_on_node
 from . import eager_reason
-from .compile_events import add_compile_listener
+from .compile_events import add_block_listener, add_compile_listener
 
 PAGE_KEY = "int8_accel_compile_page"
 _active = threading.local()  # the sampling runs being watched in this thread, innermost last
@@ -23,6 +24,8 @@ class _Run:
         self.compiles = 0
         self.compile_seconds = 0.0
         self.compiling: set[object] = set()  # ids of the compiles started during this run and not ended yet
+        self.block_calls = 0
+        self.eager_blocks: Counter = Counter()  # block calls that ran eagerly, by reason
 
 
 def _runs() -> list[_Run]:
@@ -47,13 +50,26 @@ def _on_compile_end(compile_id: object, seconds: float) -> None:
             run.compile_seconds += seconds
 
 
-def run_summary(compiles: int, compile_seconds: float, seconds: float, eager: str | None = None) -> str:
+def _on_block_run(eager_reason: str | None) -> None:
+    for run in _runs():
+        run.block_calls += 1
+        if eager_reason is not None:
+            run.eager_blocks[eager_reason] += 1
+
+
+def run_summary(compiles: int, compile_seconds: float, seconds: float, eager: str | None = None,
+                block_calls: int = 0, eager_blocks: Counter | None = None) -> str:
     if eager is not None:
         return f"ran eagerly, nothing compiled: {eager}; sampling took {seconds:.1f} s"
     if compiles:
-        return (f"compiled {compiles} graph{'s' if compiles > 1 else ''} in {compile_seconds:.1f} s; this first "
+        text = (f"compiled {compiles} graph{'s' if compiles > 1 else ''} in {compile_seconds:.1f} s; this first "
                 f"run took {seconds:.1f} s (later runs at these settings reuse the graphs)")
-    return f"nothing to compile (compiled graphs reused); sampling took {seconds:.1f} s"
+    else:
+        text = f"nothing to compile (compiled graphs reused); sampling took {seconds:.1f} s"
+    if eager_blocks:
+        reasons = "; ".join(f"{count} because {reason}" for reason, count in eager_blocks.most_common())
+        text += f". {sum(eager_blocks.values())} of {block_calls} block calls ran eagerly: {reasons}"
+    return text
 
 
 def show_runs_on_node(model, node_id: str | None) -> None:
@@ -65,6 +81,7 @@ def show_runs_on_node(model, node_id: str | None) -> None:
     if eager is not None:
         show_on_node(f"runs eagerly, nothing compiled: {eager}", node_id)
     add_compile_listener(_on_compile_start, _on_compile_end)
+    add_block_listener(_on_block_run)
 
     def compile_page_status(executor, *args, **kwargs):
         run = _Run(node_id)
@@ -74,7 +91,8 @@ def show_runs_on_node(model, node_id: str | None) -> None:
             return executor(*args, **kwargs)
         finally:
             _runs().remove(run)
-            show_on_node(run_summary(run.compiles, run.compile_seconds, time.perf_counter() - start, eager), node_id)
+            show_on_node(run_summary(run.compiles, run.compile_seconds, time.perf_counter() - start, eager,
+                                     run.block_calls, run.eager_blocks), node_id)
 
     model.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, PAGE_KEY)
     model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, PAGE_KEY, compile_page_status)
