@@ -103,9 +103,13 @@ def has_weight_patches(module: torch.nn.Module) -> bool:
     """True when ComfyUI left per-forward weight patches on `module` (LoRA or weight wrappers of any contract).
     Entries that pass their tensor through unchanged (`passes_through`, such as the pack's own bookkeeping
     markers) change no weight and are not patches."""
-    return any(plain_attribute(module, lowvram)
-               or any(not getattr(entry, "passes_through", False) for entry in plain_attribute(module, listed, ()) or ())
-               for lowvram, listed in _PATCH_LISTS)
+    for lowvram, listed in _PATCH_LISTS:  # a plain loop: asked for every layer of every compiled block per call
+        if plain_attribute(module, lowvram):
+            return True
+        entries = plain_attribute(module, listed, ())
+        if entries and any(not getattr(entry, "passes_through", False) for entry in entries):
+            return True
+    return False
 
 
 def patches_in_forward(module: torch.nn.Module) -> bool:

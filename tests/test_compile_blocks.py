@@ -353,3 +353,37 @@ def test_int8_conv_recompiles_for_no_batch_or_resolution(cm, tmp_path, monkeypat
     assert calls[("conv2d", "cpu", "int8")] > 0, dict(calls)
     assert int8_counts[2:] == float_counts[2:] and int8_counts[1] <= float_counts[1], (
         f"graphs compiled per run: INT8 {int8_counts}, float {float_counts}")
+
+
+def test_why_a_block_runs_eagerly(blocks, monkeypatch):
+    """Each reason a block keeps out of its compiled region, on a tiny UNet as ComfyUI loads it: LoRA applied per
+    call to the layers a low-VRAM load leaves offloaded, a layer ComfyUI 0.38 streams (dynamic VRAM), a forward
+    hook; a block none of these touch runs compiled."""
+    from tests.support import comfy038
+
+    model = _tiny("sd15", seed=8)
+    repeated = blocks.repeated_blocks(model.model.diffusion_model)
+    lora = make_lora(model, layers=3)
+    patched = apply_lora(model, lora)
+    lora_layers = {key.removeprefix("diffusion_model.").rsplit(".lora_", 1)[0] for key in lora}
+    paths = {module: name for name, module in model.model.diffusion_model.named_modules()}
+
+    def touched(block):
+        return any(paths[m] in lora_layers for m in block.modules())
+
+    patched.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)  # every layer offloaded
+    try:
+        reasons = [blocks.block_eager_reason(block) for block in repeated]
+    finally:
+        patched.unpatch_model(device_to=torch.device("cpu"))
+    assert reasons == [blocks.PATCHED if touched(block) else None for block in repeated]
+    assert reasons.count(blocks.PATCHED) >= 1 and reasons.count(None) >= 1
+    assert [blocks.block_eager_reason(block) for block in repeated] == [None] * len(repeated)  # loaded as before
+
+    with comfy038.dynamic_vram_load(model, monkeypatch):
+        assert {blocks.block_eager_reason(block) for block in repeated} == {blocks.STREAMED}
+    handle = repeated[0].register_forward_hook(lambda *args: None)
+    try:
+        assert blocks.block_eager_reason(repeated[0]) == blocks.WATCHED
+    finally:
+        handle.remove()

@@ -155,18 +155,21 @@ def block_eager_reason(block: torch.nn.Module) -> str | None:
     if _get_current_dispatch_mode() is not None or nn_module._global_forward_hooks \
             or nn_module._global_forward_pre_hooks:
         return WATCHED
-    if any(m._forward_hooks or m._forward_pre_hooks for m in block.modules()):
+    modules = list(block.modules())  # walked once: this runs at every block call
+    if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
         return WATCHED
-    return _weights_managed_per_forward(block)
+    return _weights_managed_per_forward(modules)
 
 
 _logged_managed_weights = False
 
 
-def _weights_managed_per_forward(block: torch.nn.Module) -> str | None:
+def _weights_managed_per_forward(modules: list[torch.nn.Module]) -> str | None:
     global _logged_managed_weights
     reason = None
-    for module in block.modules():
+    for module in modules:
+        if not module._parameters:
+            continue  # a container: ComfyUI streams and patches only layers that hold weights
         if uses_vbar_cast(module):
             reason = STREAMED
             break
