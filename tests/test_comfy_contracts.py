@@ -44,24 +44,12 @@ def test_contracts_are_detected_by_feature(comfy_root, monkeypatch):
 def _model_call(patcher, contract: str, monkeypatch, calls: int = 1) -> tuple[torch.Tensor, int]:
     """The output of the `calls`-th model call of `patcher` under `contract` (on-the-fly INT8 calibrates on its
     first call), and how many INT8 kernel calls ran the W8A8 arithmetic in the last one."""
-    gen = torch.Generator().manual_seed(3)
-    positive, _ = make_conditioning("sd15", batch=2)
-    x, t = torch.randn(2, latent_channels("sd15"), 16, 16, generator=gen), torch.tensor([700.0, 700.0])
     if contract == "dynamic_vram_0.38":
-        loading = comfy038.dynamic_vram_load(patcher, monkeypatch)
-    else:
-        patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=0 if contract == "merged" else 1)
-        loading = contextlib.ExitStack()
-        loading.callback(patcher.unpatch_model, device_to=torch.device("cpu"))
-        if contract == "lowvram_0.38":
-            loading.enter_context(comfy038.lowvram_patch_without_convert(monkeypatch))
-    with loading, torch.inference_mode():
-        cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
-        cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
-        for _ in range(calls):
-            with record_calls() as counted:
-                out = patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
-    return out, sum(n for (op, backend, path), n in counted.items() if path == "int8")
+        return comfy038.model_call(patcher, monkeypatch, dynamic=True, calls=calls)
+    converting = comfy038.lowvram_patch_without_convert(monkeypatch) if contract == "lowvram_0.38" else (
+        contextlib.nullcontext())
+    with converting:
+        return comfy038.model_call(patcher, monkeypatch, dynamic=False, lowvram=contract != "merged", calls=calls)
 
 
 def _assert_lora_honoured(results: dict, float_lora: torch.Tensor, plain: torch.Tensor, int8_error: float) -> None:

@@ -43,8 +43,7 @@ __all__ = ["DYNAMIC_CHOICES", "MODE_CHOICES", "STRATEGY_CHOICES", "STRATEGY_ENV"
 
 def eager_reason(model) -> str | None:
     """Why Compile Model compiles nothing of `model` (its diffusion model runs eagerly), or None."""
-    get_attachment = getattr(model, "get_attachment", None)
-    return get_attachment(EAGER_ATTACHMENT) if get_attachment is not None else None
+    return model.get_attachment(EAGER_ATTACHMENT)
 
 
 def compile_model(model, settings: CompileSettings, *, strategy: str | None = None, regions: bool = True,

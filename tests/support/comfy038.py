@@ -425,29 +425,29 @@ def dynamic_vram_casts(monkeypatch) -> Iterator[None]:
         yield
 
 
-def model_call(patcher, monkeypatch, kind: str = "sd15", size: int = 16,
-               dynamic: bool | None = None) -> tuple[torch.Tensor, int]:
-    """One direct model call of `patcher` (batch 2, a fixed latent and timestep) loaded the way its patcher loads
-    it, or as `dynamic` says: 0.38.1's dynamic-VRAM load (`dynamic_vram_load`) for a dynamic one (`make_dynamic`),
-    else 0.3.75's full load. Returns the output and how many INT8 kernel calls ran the W8A8 arithmetic."""
+def model_call(patcher, monkeypatch, kind: str = "sd15", size: int = 16, dynamic: bool | None = None,
+               lowvram: bool = False, calls: int = 1) -> tuple[torch.Tensor, int]:
+    """`calls` direct model calls of `patcher` (batch 2, a fixed latent and timestep) loaded the way its patcher
+    loads it, or as `dynamic` says: 0.38.1's dynamic-VRAM load (`dynamic_vram_load`) for a dynamic one
+    (`make_dynamic`), else 0.3.75's load, full or with every layer offloaded (`lowvram`). Returns the last call's
+    output and how many INT8 kernel calls ran the W8A8 arithmetic in it."""
     from comfyui_int8_accel.kernels import record_calls
+    from comfyui_int8_accel.nodes.comfy_contracts import is_dynamic
     from harness.tiny_models import latent_channels, make_conditioning
 
     gen = torch.Generator().manual_seed(3)
     positive, _ = make_conditioning(kind, batch=2)
     x, t = torch.randn(2, latent_channels(kind), size, size, generator=gen), torch.tensor([700.0, 700.0])
-    if dynamic is None:
-        query = getattr(patcher, "is_dynamic", None)
-        dynamic = bool(callable(query) and query())
-    if dynamic:
+    if is_dynamic(patcher) if dynamic is None else dynamic:
         loading = dynamic_vram_load(patcher, monkeypatch)
     else:
-        patcher.patch_model(device_to=CPU)
+        patcher.patch_model(device_to=CPU, lowvram_model_memory=1 if lowvram else 0)
         loading = contextlib.ExitStack()
         loading.callback(patcher.unpatch_model, device_to=CPU)
     with loading, torch.inference_mode():
         cond = patcher.model.extra_conds(noise=x, cross_attn=positive[0][0], **positive[0][1])
         cond = {key: value.cond if hasattr(value, "cond") else value for key, value in cond.items()}
-        with record_calls() as counted:
-            out = patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
+        for _ in range(calls):
+            with record_calls() as counted:
+                out = patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
     return out, sum(n for (op, backend, path), n in counted.items() if path == "int8")

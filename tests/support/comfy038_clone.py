@@ -20,21 +20,18 @@ from collections.abc import Iterator
 from tests.support import comfy038
 
 
-def _dynamic(patcher) -> bool:
-    query = getattr(patcher, "is_dynamic", None)
-    return bool(callable(query) and query())
-
-
 @contextlib.contextmanager
 def cloning_038(monkeypatch) -> Iterator[None]:
     """0.38.1's `ModelPatcher.clone` in force inside."""
     import comfy.model_patcher
 
+    from comfyui_int8_accel.nodes.comfy_contracts import is_dynamic
+
     original = comfy.model_patcher.ModelPatcher.clone
 
     def clone(self, disable_dynamic: bool = False, model_override=None, force_deepcopy: bool = False):
         init = getattr(self, "cached_patcher_init", None)
-        if _dynamic(self) and disable_dynamic:
+        if is_dynamic(self) and disable_dynamic:
             if init is None:
                 raise RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized.")
             delegate = init[0](*init[1], disable_dynamic=True)
@@ -45,7 +42,7 @@ def cloning_038(monkeypatch) -> Iterator[None]:
             return n  # a plain ModelPatcher: no is_dynamic() of its own
         n = original(self)
         n.cached_patcher_init = init
-        if _dynamic(self):
+        if is_dynamic(self):
             n.is_dynamic = lambda: True
             n.restore_loaded_backups = types.MethodType(comfy038.restore_loaded_backups, n)
         return n
