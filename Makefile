@@ -8,6 +8,8 @@ export PY
 
 .PHONY: setup setup-browser test test-kernels test-floor test-torch211 test-inprocess test-server test-gpu gpu-bundle gpu-run demo bench lint checkpoint train-models
 
+drop_leg_venv = if [ "$${INT8_ACCEL_DROP_LEG_VENVS:-}" = 1 ]; then rm -rf $(CURDIR)/$(1); fi
+
 # The kernel tier (tests/support/tiers.py): tests of kernels/ alone, which run without importing ComfyUI.
 KERNEL_TESTS = tests/test_kernels*.py
 
@@ -27,10 +29,13 @@ checkpoint: setup
 	@$(PY) -m harness.make_checkpoint
 	@$(PY) -m harness.make_more_checkpoints
 
+# The two older-PyTorch legs run first: with INT8_ACCEL_DROP_LEG_VENVS=1 (set by .ci/run on its throwaway clone)
+# each removes its environment when done, so their 11 GB and the main suite's random checkpoints (about 9 GB)
+# are never on disk together.
 test: setup-browser
-	@$(PY) -m pytest tests -q
 	@$(MAKE) --no-print-directory test-floor
 	@$(MAKE) --no-print-directory test-torch211
+	@$(PY) -m pytest tests -q
 
 test-kernels: setup
 	@$(PY) -m pytest $(KERNEL_TESTS) -q
@@ -40,7 +45,8 @@ test-kernels: setup
 test-floor: setup
 	@floor="$$(bash scripts/setup_floor.sh)" && \
 	  INT8_ACCEL_EXPECT_TORCH="$$floor" $(CURDIR)/.venv-floor/bin/python -m pytest -q \
-	    $(KERNEL_TESTS) tests/test_int8_layers_gpu_path.py tests/test_torch_floor.py
+	    $(KERNEL_TESTS) tests/test_int8_layers_gpu_path.py tests/test_torch_floor.py; \
+	  status=$$?; $(call drop_leg_venv,.venv-floor); exit $$status
 
 # The kernel tier, the Compile Model tests below and the same smoke on PyTorch 2.11 with Triton 3.6
 # (.venv-torch211, built by scripts/setup_torch211.sh, which prints that version): its torch.compile takes no
@@ -54,7 +60,8 @@ TORCH211_COMPILE_TESTS = tests/test_compile_recompile_limit.py \
 test-torch211: setup
 	@torch211="$$(bash scripts/setup_torch211.sh)" && \
 	  INT8_ACCEL_EXPECT_TORCH="$$torch211" $(CURDIR)/.venv-torch211/bin/python -m pytest -q \
-	    $(KERNEL_TESTS) $(TORCH211_COMPILE_TESTS) tests/test_torch_floor.py
+	    $(KERNEL_TESTS) $(TORCH211_COMPILE_TESTS) tests/test_torch_floor.py; \
+	  status=$$?; $(call drop_leg_venv,.venv-torch211); exit $$status
 
 test-server: setup-browser
 	@$(PY) -m pytest tests -q -m "server or browser"

@@ -32,11 +32,12 @@ if ! command -v chromium >/dev/null 2>&1; then
     $SUDO apt-get update -qq >/dev/null
     $SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null
   fi
+  $SUDO apt-get clean  # the downloaded .debs are not needed once installed
 fi
 
 if ! "$PY" -c "import playwright.sync_api" >/dev/null 2>&1; then
   log "pip install playwright into .venv"
-  "$PY" -m pip install -q playwright
+  "$PY" -m pip install -q --no-cache-dir playwright
 fi
 CHROMIUM="$(command -v chromium)"
 # Installed is not enough: chromium must start headless under Playwright's driver (a few seconds).

@@ -12,6 +12,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv-floor"
 PY="$VENV/bin/python"
 COMFY="${COMFYUI_PATH:-$ROOT/.comfyui/ComfyUI}"
+# No wheel cache: this venv's CUDA wheels would stay cached beside their install (see scripts/setup.sh).
+export PIP_NO_CACHE_DIR=1
 
 log() { printf '[setup-floor] %s\n' "$*" >&2; }
 

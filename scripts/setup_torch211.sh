@@ -10,6 +10,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv-torch211"
 PY="$VENV/bin/python"
 COMFY="${COMFYUI_PATH:-$ROOT/.comfyui/ComfyUI}"
+# No wheel cache: this venv's CUDA wheels would stay cached beside their install (see scripts/setup.sh).
+export PIP_NO_CACHE_DIR=1
 TORCH=2.11.0
 TORCH_SPEC=(torch==$TORCH torchvision==0.26.0 "numpy<2.4")
 
