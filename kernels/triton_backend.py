@@ -22,6 +22,7 @@ from .environment import triton_conv_layout, triton_linear_gemm
 from .weight_cache import CACHE
 
 
+@functools.cache
 def _kernels() -> ModuleType:
     from . import triton_kernels
 

@@ -77,15 +77,56 @@ AUTOTUNE_REP_MS = 12
 
 def _autotune(configs: list, key: list[str]):
     """`triton.autotune` with the short benchmark above: through `do_bench` where Triton takes one (Triton 3.6 does,
-    and deprecates `warmup`/`rep` there), else through `warmup`/`rep` (Triton 3.0)."""
+    and deprecates `warmup`/`rep` there), else through `warmup`/`rep` (Triton 3.0); the kernel it makes launches as
+    a `ChosenConfigAutotuner`."""
     if "do_bench" in inspect.signature(triton.autotune).parameters:
         def bench(kernel_call, quantiles):
             from triton.testing import do_bench
 
             return do_bench(kernel_call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
 
-        return triton.autotune(configs=configs, key=key, do_bench=bench)
-    return triton.autotune(configs=configs, key=key, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS)
+        autotune = triton.autotune(configs=configs, key=key, do_bench=bench)
+    else:
+        autotune = triton.autotune(configs=configs, key=key, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS)
+
+    def decorate(fn):
+        tuned = autotune(fn)
+        # Triton's constructor differs between releases; its instance takes the subclass's launch path as it is.
+        tuned.__class__ = ChosenConfigAutotuner
+        tuned.chosen_configs = {}
+        tuned.key_positions = tuple((tuned.arg_names.index(name), name) for name in key)
+        return tuned
+
+    return decorate
+
+
+if AVAILABLE:
+    from triton.runtime.autotuner import Autotuner
+
+    class ChosenConfigAutotuner(Autotuner):
+        """An autotuned kernel that, once autotuning chose a config for a tuning key (the key arguments' values
+        and the tensor arguments' dtypes, as the autotuner keys them), launches straight through its JIT function
+        with that config. Every launch through `Autotuner.run` first builds dictionaries of all the kernel's
+        arguments to find its key: about 8 us of host time per launch in Triton 3.0-3.8 on the 2-core Xeon
+        (bench/results/launch_overhead.md), and an eager INT8 Linear launches two kernels per call."""
+
+        chosen_configs: dict  # tuning key -> the chosen config's launch keywords
+        key_positions: tuple  # (position, name) of each key argument
+
+        def run(self, *args, **kwargs):
+            key = self._tuning_key(args, kwargs)
+            chosen = self.chosen_configs.get(key)
+            if chosen is None:
+                launched = super().run(*args, **kwargs)
+                self.chosen_configs[key] = self.best_config.all_kwargs()
+                return launched
+            return self.fn.run(*args, **kwargs, **chosen)
+
+        def _tuning_key(self, args: tuple, kwargs: dict) -> tuple:
+            count = len(args)
+            key = [args[index] if index < count else kwargs.get(name) for index, name in self.key_positions]
+            key += [arg.dtype for arg in args if isinstance(arg, torch.Tensor)]
+            return tuple(key)
 
 
 if AVAILABLE:

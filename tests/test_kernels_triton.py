@@ -72,18 +72,16 @@ def tk():
 
 
 @pytest.fixture
-def launches(monkeypatch) -> list[str]:
+def launches(tk, monkeypatch) -> list[str]:
     """The names of the autotuned Triton kernels launched while the test runs, in order."""
-    from triton.runtime.autotuner import Autotuner
-
     names: list[str] = []
-    autotuned_run = Autotuner.run
+    autotuned_run = tk.ChosenConfigAutotuner.run
 
     def counting_run(self, *args, **kwargs):
         names.append(self.base_fn.__name__)
         return autotuned_run(self, *args, **kwargs)
 
-    monkeypatch.setattr(Autotuner, "run", counting_run)
+    monkeypatch.setattr(tk.ChosenConfigAutotuner, "run", counting_run)
     return names
 
 
@@ -254,6 +252,48 @@ def test_the_linear_gemm_is_chosen_per_gpu_unless_forced(monkeypatch, capability
     for forced in ("int-mm", "fused"):
         monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", forced)
         assert (triton_backend.linear_gemm(gpu), triton_backend.linear_gemm(cpu)) == (forced, forced)
+
+
+def test_a_tuned_kernel_launches_past_the_autotuner_once_its_key_is_tuned(tk, monkeypatch):
+    """The autotuner's own launch path rebuilds dictionaries of every argument per launch (about 8 us of host time,
+    twice per eager INT8 Linear): once a tuning key (the key sizes and the tensors' dtypes) has its config, a launch
+    goes straight to the JIT function with that config, and gives the same result; a new key is tuned first."""
+    from triton.runtime.autotuner import Autotuner
+
+    kernel = tk._quantize_rows_kernel
+    monkeypatch.setattr(kernel, "chosen_configs", {})
+    tuned: list[str] = []
+    autotuner_run = Autotuner.run
+
+    def counting_run(self, *args, **kwargs):
+        tuned.append(self.base_fn.__name__)
+        return autotuner_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Autotuner, "run", counting_run)
+    direct: list[dict] = []
+    jit_run = kernel.fn.run
+
+    def watched_jit_run(*args, **kwargs):
+        direct.append(kwargs)
+        return jit_run(*args, **kwargs)
+
+    x = torch.randn(5, 40).half()
+    first = tk.quantize_rows(x)
+    assert tuned == ["_quantize_rows_kernel"]
+    monkeypatch.setattr(kernel.fn, "run", watched_jit_run)
+    second = tk.quantize_rows(x)
+    tk.quantize_rows(torch.randn(9, 40).half())  # another token count: the same key
+    assert tuned == ["_quantize_rows_kernel"] and len(direct) == 2
+    chosen = kernel.best_config.all_kwargs()
+    assert all(launch[name] == value for launch in direct for name, value in chosen.items())
+    expected = quant.quantize_rows_symmetric(x)
+    for q, scale in (first, second):
+        assert torch.equal(q, expected[0]) and torch.equal(scale, expected[1])
+
+    tk.quantize_rows(torch.randn(5, 48).half())  # another reduction width
+    tk.quantize_rows(x.float())  # another dtype
+    assert tuned == ["_quantize_rows_kernel"] * 3
+    assert len(kernel.chosen_configs) == 3
 
 
 def test_every_autotuned_kernel_times_its_candidates_briefly(tk, monkeypatch):
