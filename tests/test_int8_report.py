@@ -235,12 +235,46 @@ def test_summary_says_when_the_speed_gate_kept_every_layer_float():
                                layers=[layer("a", SLOWER_IN_INT8, True), layer("b", SLOWER_IN_INT8, True)])
     summary = format_report(slower, QuantizeSettings(), {}).split("\n\n")[0]
     assert "0/2 layers in INT8" in summary
-    assert "every timed layer slower in INT8 on this device (2 kept float by the speed gate)" in summary
+    assert "every timed layer slower in INT8 on this device (2 kept float by the speed gate" in summary
     assert "speed gate off" not in summary
     untimed = CalibrationResult(key="k", shape=[2, 4, 128, 128], kernel_backend="triton",
                                 layers=[layer("a", "int8", False)])
     assert "INT8 layers not timed (speed gate off, or no layer reached it)" in format_report(
         untimed, QuantizeSettings(), {}).split("\n\n")[0]
+
+
+def test_where_launches_kept_gpu_layers_float_the_report_names_cuda_graphs():
+    """The third H200 run kept every SDXL layer float in eager mode: an INT8 call spent over 100 us of host time
+    launching its kernels, more than the layer takes on that GPU. Where the speed gate kept most GPU layers float
+    timing them as launched, the report says why and names what replays them instead (Compile Model in mode
+    reduce-overhead); not on the CPU, which launches nothing, nor where the gate already timed replays."""
+    import dataclasses
+
+    from comfyui_int8_accel.nodes.int8.calibration import SLOWER_IN_INT8, LayerMeasurement
+
+    def layer(name: str, decision: str) -> LayerMeasurement:
+        return LayerMeasurement(name=name, kind="linear", weight_shape=[1280, 1280], m=2048, k=1280, n=1280,
+                                density=900.0, error=1e-4, decision=decision, float_ms=0.03,
+                                int8_ms=0.12 if decision == SLOWER_IN_INT8 else 0.02, timing_pairs=3)
+
+    def speed_line(result: CalibrationResult) -> str:
+        return next(part for part in format_report(result, QuantizeSettings(), {}).split("\n\n")
+                    if part.startswith("speed gate:"))
+
+    hint = "Compile Model in mode reduce-overhead replays each model call from CUDA graphs"
+    mostly_float = CalibrationResult(key="k", shape=[2, 4, 128, 128], kernel_backend="triton",
+                                     layers=[layer("a", SLOWER_IN_INT8), layer("b", SLOWER_IN_INT8), layer("c", "int8")])
+    assert hint in speed_line(mostly_float)
+    all_float = dataclasses.replace(mostly_float, layers=mostly_float.layers[:2])
+    assert hint in speed_line(all_float)
+    assert ("2 kept float by the speed gate; Compile Model in mode reduce-overhead takes out the launch cost"
+            in format_report(all_float, QuantizeSettings(), {}).split("\n\n")[0])
+    for no_hint in (dataclasses.replace(mostly_float, cuda_graph_timing=True),
+                    dataclasses.replace(all_float, kernel_backend="cpu"),
+                    dataclasses.replace(mostly_float, layers=[layer("a", SLOWER_IN_INT8), layer("c", "int8"),
+                                                              layer("d", "int8")])):
+        report = format_report(no_hint, QuantizeSettings(), {})
+        assert hint not in report and "launch cost" not in report
 
 
 def test_the_report_says_which_timings_other_work_disturbed():

@@ -58,8 +58,30 @@ def _speed_part(result: CalibrationResult, speedup: float | None) -> str:
         return f"INT8 layers {speedup:.2f}x faster"
     slower = sum(1 for layer in result.layers if layer.int8_ms is not None and decisive_gate(layer) == "speed")
     if slower:  # the gate ran and kept every layer it timed in float
-        return f"every timed layer slower in INT8 on this device ({slower} kept float by the speed gate)"
+        hint = "; Compile Model in mode reduce-overhead takes out the launch cost" if _launch_bound(result) else ""
+        return f"every timed layer slower in INT8 on this device ({slower} kept float by the speed gate{hint})"
     return "INT8 layers not timed (speed gate off, or no layer reached it)"
+
+
+# The kernel backends that launch GPU kernels from the host, one call at a time unless CUDA graphs replay them.
+LAUNCHING_KERNEL_BACKENDS = ("triton", "cuda")
+
+
+def _launch_bound(result: CalibrationResult) -> bool:
+    """The speed gate timed GPU calls as launched from the host (not as CUDA graph replays), where an INT8 call's
+    extra kernel launches can cost more host time than a layer takes on a fast GPU (the H200 runs SDXL's
+    layers in 20-30 us and an INT8 call spent over 100 us launching its kernels)."""
+    return result.kernel_backend in LAUNCHING_KERNEL_BACKENDS and not result.cuda_graph_timing
+
+
+def _launch_cost_part(result: CalibrationResult, timed: int, slower: int) -> str:
+    """Where most timed layers stayed float as launched GPU calls: why, and what replays them instead."""
+    if not _launch_bound(result) or 2 * slower < timed:
+        return ""
+    return (". Launched one call at a time, an INT8 call enqueues more kernels than a float one, and on a fast GPU "
+            "the host's launch time can outweigh what INT8 saves on these layers: Compile Model in mode "
+            "reduce-overhead replays each model call from CUDA graphs, and this gate then times the layers as "
+            "replays (the next run calibrates again)")
 
 
 def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_bytes: dict[str, int],
@@ -92,7 +114,7 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
             f"speed gate: {len(timed)} layers timed on {result.kernel_backend or 'this device'}, {slower} stay float "
             f"as slower in INT8; the INT8 layers kept take {kept_int8:.1f} ms instead of {kept_float:.1f} ms in float "
             f"({'-' if speedup is None else f'{speedup:.2f}x'})" + _replays_part(result, timed)
-            + _timing_conditions(timed))
+            + _timing_conditions(timed) + _launch_cost_part(result, len(timed), slower))
     if result.memory:
         mib = {name: value / MIB for name, value in result.memory.items()}
         paragraphs.append(
