@@ -9,13 +9,10 @@ import pytest
 import torch
 
 from harness.tiny_models import build_tiny_model, sample
+from tests.support.int8_checks import rel
 
 KIND = "sd15"
 RTOL = 1e-4
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _tiny_model(seed: int = 0):
@@ -80,7 +77,7 @@ def test_inductor_matches_eager_and_leaves_model_untouched(node, cm, base, caplo
     with caplog.at_level(logging.INFO, logger="int8_accel.compile"):
         out = sample(compiled, KIND, steps=2, height=128, width=128)
     assert _graphs() > before, "nothing was compiled"
-    assert _rel(out, eager) < RTOL
+    assert rel(out, eager) < RTOL
     assert any("compiled geglu_gate in" in r.getMessage() for r in caplog.records)
     # nothing stays swapped in after the run, and the original MODEL still samples as before
     assert not any("forward" in m.__dict__ for m in base.model.diffusion_model.modules())
@@ -111,19 +108,19 @@ def test_lora_after_compile_matches_eager_without_recompiling(cm, base):
     for strength in (1.0, 0.5, 0.25):
         eager_lora = sample(_lora(base, strength), KIND, steps=2)
         compiled_lora = sample(_lora(compiled, strength), KIND, steps=2)
-        assert _rel(eager_lora, plain) > 1e-3, "the LoRA should change the output"
-        assert _rel(compiled_lora, eager_lora) < RTOL
+        assert rel(eager_lora, plain) > 1e-3, "the LoRA should change the output"
+        assert rel(compiled_lora, eager_lora) < RTOL
         graphs.append(_graphs())
     assert graphs[-1] == graphs[0], f"a LoRA or strength change recompiled: {graphs}"
     # and the LoRA is gone again for the compiled model without it
-    assert _rel(sample(compiled, KIND, steps=2), plain) < RTOL
+    assert rel(sample(compiled, KIND, steps=2), plain) < RTOL
     assert _graphs() == graphs[-1]
 
 
 def test_lora_before_compile(node, base):
     lora = _lora(base, 1.0)
     eager = sample(lora, KIND, steps=2)
-    assert _rel(sample(_compile(node, lora), KIND, steps=2), eager) < RTOL
+    assert rel(sample(_compile(node, lora), KIND, steps=2), eager) < RTOL
 
 
 def test_resolutions_compile_at_most_once_each(node, cm):
@@ -149,7 +146,7 @@ def test_unknown_backend_falls_back_to_eager(node, base, caplog):
     with caplog.at_level(logging.WARNING):
         compiled = _compile(node, base, backend="no_such_backend")
     assert any("running eagerly" in r.getMessage() for r in caplog.records)
-    assert _rel(sample(compiled, KIND, steps=2), eager) < RTOL
+    assert rel(sample(compiled, KIND, steps=2), eager) < RTOL
 
 
 def test_missing_cpp_compiler_falls_back_to_eager(node, cm, base, caplog):
@@ -165,7 +162,7 @@ def test_missing_cpp_compiler_falls_back_to_eager(node, cm, base, caplog):
         with caplog.at_level(logging.WARNING):
             compiled = _compile(node, base)
         assert any("C++ compiler" in r.getMessage() and "running eagerly" in r.getMessage() for r in caplog.records)
-        assert _rel(sample(compiled, KIND, steps=2), eager) < RTOL
+        assert rel(sample(compiled, KIND, steps=2), eager) < RTOL
     finally:
         inductor_config.cpp.cxx = configured
         cpp_builder.cpp_compiler_search.cache_clear()
@@ -185,7 +182,7 @@ def test_backend_failing_at_compile_time_falls_back(node, cm, base, caplog):
     compiled = cm.compile_model(base, cm.CompileSettings(backend=name))
     with caplog.at_level(logging.WARNING):
         out = sample(compiled, KIND, steps=2)
-    assert _rel(out, eager) < RTOL
+    assert rel(out, eager) < RTOL
     assert any("running it eagerly" in r.getMessage() for r in caplog.records)
 
 
@@ -201,16 +198,16 @@ def test_int8_then_compile_matches_int8_eager(node, base):
     plain = sample(base, KIND, steps=3)
     quantized, report = _quantized(base)
     eager = sample(quantized, KIND, steps=3)
-    assert _rel(eager, plain) > 1e-5, f"INT8 changed nothing: {report}"
+    assert rel(eager, plain) > 1e-5, f"INT8 changed nothing: {report}"
     compiled = sample(_compile(node, quantized), KIND, steps=3)
-    assert _rel(compiled, eager) < 1e-3
+    assert rel(compiled, eager) < 1e-3
 
 
 def test_compile_then_int8_matches_int8_eager(node, base):
     quantized, _ = _quantized(base)
     eager = sample(quantized, KIND, steps=3)
     compiled_first, _ = _quantized(_compile(node, base))
-    assert _rel(sample(compiled_first, KIND, steps=3), eager) < 1e-3
+    assert rel(sample(compiled_first, KIND, steps=3), eager) < 1e-3
 
 
 def test_deepcache_and_compile_match_deepcache_eager(node, base):
@@ -218,10 +215,10 @@ def test_deepcache_and_compile_match_deepcache_eager(node, base):
     plain = sample(base, KIND, steps=6)
     cached = deepcache.apply_deepcache(base, cache_interval=3, cache_depth=1)
     eager = sample(cached, KIND, steps=6)
-    assert _rel(eager, plain) > 1e-5, "DeepCache skipped nothing"
-    assert _rel(sample(_compile(node, cached), KIND, steps=6), eager) < RTOL
+    assert rel(eager, plain) > 1e-5, "DeepCache skipped nothing"
+    assert rel(sample(_compile(node, cached), KIND, steps=6), eager) < RTOL
     compiled_first = deepcache.apply_deepcache(_compile(node, base), cache_interval=3, cache_depth=1)
-    assert _rel(sample(compiled_first, KIND, steps=6), eager) < RTOL
+    assert rel(sample(compiled_first, KIND, steps=6), eager) < RTOL
 
 
 def _attention_ops(model, **size) -> set[str]:
@@ -239,7 +236,7 @@ def test_fused_attention_replaces_sub_quadratic_on_large_inputs(cm, base):
     assert fused not in _attention_ops(base, height=128, width=128)
     assert fused in _attention_ops(compiled, height=128, width=128)
     eager = sample(base, KIND, steps=2, height=128, width=128)
-    assert _rel(sample(compiled, KIND, steps=2, height=128, width=128), eager) < RTOL
+    assert rel(sample(compiled, KIND, steps=2, height=128, width=128), eager) < RTOL
     # small inputs keep ComfyUI's own attention (the fused kernel's setup costs more there)
     assert fused not in _attention_ops(compiled, height=32, width=32)
 
@@ -249,7 +246,7 @@ def test_other_architectures_match_eager_with_fused_attention(cm, kind):
     model = build_tiny_model(kind, seed=1)
     eager = sample(model, kind, steps=2, height=256, width=256)
     compiled = cm.compile_model(model, cm.CompileSettings())
-    assert _rel(sample(compiled, kind, steps=2, height=256, width=256), eager) < RTOL
+    assert rel(sample(compiled, kind, steps=2, height=256, width=256), eager) < RTOL
 
 
 def test_torch_compile_without_the_newer_keywords_still_compiles(cm, monkeypatch, caplog):

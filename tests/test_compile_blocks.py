@@ -19,6 +19,7 @@ import torch
 from harness.tiny_models import build_tiny_model, sample
 from tests.support.counting_backend import COUNTING, UNET_WIDTH, compiled_graphs, graph_runs
 from tests.support.counting_backend import register_counting_backend as _register_counting_backend
+from tests.support.int8_checks import rel
 from tests.support.lora import apply_lora, make_lora
 
 RTOL = 1e-4
@@ -26,10 +27,6 @@ INT8_RTOL = 1e-3  # a float difference upstream may flip an activation's INT8 ro
 # two resolutions per model, the second not square (a square latent must not be assumed square)
 SIZES = {"sd15": ((64, 64), (96, 64)), "sdxl": ((64, 64), (96, 64)),
          "flux": ((128, 128), (160, 128)), "sd3": ((128, 128), (160, 128))}
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
 
 
 
@@ -94,7 +91,7 @@ def test_missing_backend_runs_eagerly(cm, caplog):
     assert any("running eagerly" in r.getMessage() for r in caplog.records)
     assert "int8_accel_compile" not in compiled.wrappers.get("apply_model", {})
     eager = sample(model, "flux", steps=1, height=128, width=128)
-    assert _rel(sample(compiled, "flux", steps=1, height=128, width=128), eager) < RTOL
+    assert rel(sample(compiled, "flux", steps=1, height=128, width=128), eager) < RTOL
 
 
 def test_repeated_blocks(blocks):
@@ -139,7 +136,7 @@ def test_blocks_match_eager_and_reuse_graphs(cm, blocks, kind):
     compiled = _blocks(cm, model)
     eager = sample(model, kind, steps=2, height=h1, width=w1)
     runs_before, breaks_before = sum(graph_runs.values()), _graph_breaks()
-    assert _rel(sample(compiled, kind, steps=2, height=h1, width=w1), eager) < RTOL
+    assert rel(sample(compiled, kind, steps=2, height=h1, width=w1), eager) < RTOL
     repeated = blocks.repeated_blocks(diffusion_model)
     for cls in {type(block) for block in repeated}:
         region = blocks.block_region(cls, cm.CompileSettings(backend=COUNTING))
@@ -155,11 +152,11 @@ def test_blocks_match_eager_and_reuse_graphs(cm, blocks, kind):
     lora = make_lora(model, layers=6)
     for strength in (1.0, 0.5):
         eager_lora = sample(apply_lora(model, lora, strength), kind, steps=2, height=h1, width=w1)
-        assert _rel(eager_lora, eager) > 1e-3, "the LoRA should change the output"
-        assert _rel(sample(apply_lora(compiled, lora, strength), kind, steps=2, height=h1, width=w1), eager_lora) < RTOL
+        assert rel(eager_lora, eager) > 1e-3, "the LoRA should change the output"
+        assert rel(sample(apply_lora(compiled, lora, strength), kind, steps=2, height=h1, width=w1), eager_lora) < RTOL
     eager_other = sample(model, kind, steps=2, height=h2, width=w2)
     for height, width, reference in ((h2, w2, eager_other), (h1, w1, eager), (h2, w2, eager_other)):
-        assert _rel(sample(compiled, kind, steps=2, height=height, width=width), reference) < RTOL
+        assert rel(sample(compiled, kind, steps=2, height=height, width=width), reference) < RTOL
     assert len(compiled_graphs) == graphs, "a LoRA, a strength or a resolution change recompiled"
 
 
@@ -182,7 +179,7 @@ def test_unet_transformers_of_every_depth_share_the_graphs(cm, blocks, monkeypat
     sample(_blocks(cm, shallow), "sdxl", steps=2, height=64, width=64)
     graphs, runs = len(compiled_graphs), sum(graph_runs.values())
     eager = sample(deep, "sdxl", steps=2, height=64, width=64)
-    assert _rel(sample(_blocks(cm, deep), "sdxl", steps=2, height=64, width=64), eager) < RTOL
+    assert rel(sample(_blocks(cm, deep), "sdxl", steps=2, height=64, width=64), eager) < RTOL
     assert len(compiled_graphs) == graphs, "a deeper transformer compiled its own graph"
     assert sum(graph_runs.values()) - runs >= 2 * sum(depths.values())
 
@@ -220,14 +217,14 @@ def test_int8_and_deepcache_compose_in_either_order(cm, tmp_path, monkeypatch):
 
     quantized = _eager_with_sdpa(apply_int8(model, settings)[0])  # the calibration just made is loaded
     eager = sample(_with_deepcache(quantized), "sd15", steps=3)
-    assert _rel(eager, sample(quantized, "sd15", steps=3)) > 1e-5, "DeepCache skipped nothing"
-    assert _rel(out, eager) < INT8_RTOL
+    assert rel(eager, sample(quantized, "sd15", steps=3)) > 1e-5, "DeepCache skipped nothing"
+    assert rel(out, eager) < INT8_RTOL
 
     graphs = len(compiled_graphs)
     compiled_first = _with_deepcache(apply_int8(_blocks(cm, model), settings)[0])
     runs = sum(graph_runs.values())
     with record_calls() as calls:
-        assert _rel(sample(compiled_first, "sd15", steps=3), eager) < INT8_RTOL
+        assert rel(sample(compiled_first, "sd15", steps=3), eager) < INT8_RTOL
     assert sum(n for (_, _, path), n in calls.items() if path == "int8") > 0, f"no layer ran INT8: {calls}"
     assert sum(graph_runs.values()) > runs
     assert len(compiled_graphs) == graphs, "DeepCache's steps or the node order recompiled"
@@ -238,12 +235,12 @@ def test_deepcache_on_a_dit_composes_in_either_order(cm):
     """DeepCache replaces Flux's middle blocks (skipped on cached steps): no recompile across its steps."""
     model = _tiny("flux", seed=3)
     eager = sample(_with_deepcache(model), "flux", steps=4, height=128, width=128)
-    assert _rel(eager, sample(model, "flux", steps=4, height=128, width=128)) > 1e-5, "DeepCache skipped nothing"
+    assert rel(eager, sample(model, "flux", steps=4, height=128, width=128)) > 1e-5, "DeepCache skipped nothing"
     compiled_last = _blocks(cm, _with_deepcache(model))
-    assert _rel(sample(compiled_last, "flux", steps=4, height=128, width=128), eager) < RTOL
+    assert rel(sample(compiled_last, "flux", steps=4, height=128, width=128), eager) < RTOL
     graphs, runs = len(compiled_graphs), sum(graph_runs.values())
     compiled_first = _with_deepcache(_blocks(cm, model))
-    assert _rel(sample(compiled_first, "flux", steps=4, height=128, width=128), eager) < RTOL
+    assert rel(sample(compiled_first, "flux", steps=4, height=128, width=128), eager) < RTOL
     assert len(compiled_graphs) == graphs and sum(graph_runs.values()) > runs
 
 
@@ -267,7 +264,7 @@ def test_attention_patches_keep_their_block_positions(cm, blocks):
     compiled.set_model_attn1_patch(recording_patch(compiled_seen))
     resblocks = blocks.block_region(ResBlock, cm.CompileSettings(backend=COUNTING))
     runs = sum(graph_runs.values())
-    assert _rel(sample(compiled, "sd15", steps=1), eager) < RTOL
+    assert rel(sample(compiled, "sd15", steps=1), eager) < RTOL
     assert compiled_seen == eager_seen and len(set(eager_seen)) == 7
     assert resblocks.compiled is not None and sum(graph_runs.values()) - runs >= 8
 
@@ -312,7 +309,7 @@ def test_inductor_blocks_match_eager(cm, blocks):
     model = _tiny("sd3", seed=6)
     eager = sample(model, "sd3", steps=2, height=128, width=128)
     compiled = cm.compile_model(model, cm.CompileSettings(), strategy="blocks")
-    assert _rel(sample(compiled, "sd3", steps=2, height=128, width=128), eager) < RTOL
+    assert rel(sample(compiled, "sd3", steps=2, height=128, width=128), eager) < RTOL
     region = blocks.block_region(JointBlock, cm.CompileSettings())
     assert region.compiled is not None and region.disabled_reason is None
 

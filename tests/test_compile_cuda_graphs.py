@@ -19,6 +19,7 @@ import torch
 
 from harness.tiny_models import build_tiny_model, sample
 from tests.support.counting_backend import UNET_WIDTH
+from tests.support.int8_checks import rel
 
 RTOL = 1e-4
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -27,10 +28,6 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 @pytest.fixture(scope="module")
 def cm(pack):
     return importlib.import_module("comfyui_int8_accel.nodes.compile")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _storages(value) -> list[int]:
@@ -108,7 +105,7 @@ def test_modes_mark_a_step_per_model_call_and_hand_no_graph_output_to_the_model(
     monkeypatch.setattr(regions.CompiledRegion, "__call__", recording_region_call)
     out = sample(compiled, "sd15", steps=2, height=64, width=64)
 
-    assert _rel(out, eager) < RTOL
+    assert rel(out, eager) < RTOL
     for cls in (ResBlock, BasicTransformerBlock):
         region = blocks.block_region(cls, cm.CompileSettings(mode=mode))
         assert region.compiled is not None and region.disabled_reason is None, cls

@@ -21,16 +21,13 @@ from tests.support import comfy038
 from tests.support.comfy038_clone import cloning_038
 from tests.support.counting_backend import COUNTING, UNET_WIDTH, graph_runs
 from tests.support.counting_backend import register_counting_backend as _register_counting_backend
+from tests.support.int8_checks import rel
 
 RTOL = 1e-4
 INT8_RTOL = 1e-3  # compiled, a float difference upstream may flip an activation's INT8 rounding
 BLOCKS = 15  # the tiny UNet's 8 ResBlocks and 7 transformer blocks
 
 pytestmark = pytest.mark.usefixtures("calibration_cache")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +69,7 @@ def test_a_streamed_model_compiles_on_a_copy_loaded_without_streaming(cm, monkey
         runs = sum(graph_runs.values())
         out, _ = comfy038.model_call(compiled, monkeypatch)
     assert sum(graph_runs.values()) - runs >= BLOCKS, "the blocks ran eagerly"
-    assert _rel(out, eager) < RTOL
+    assert rel(out, eager) < RTOL
     assert compiled.model is not model.model and not is_dynamic(compiled)  # a copy, loaded the ordinary way
     assert cm.eager_reason(compiled) is None
     assert is_dynamic(model) and not any("forward" in m.__dict__ for m in model.model.modules())
@@ -103,7 +100,7 @@ def test_quantize_then_compile_on_a_streamed_model_runs_int8_in_the_compiled_cop
         assert int8_calls > 0 and sum(graph_runs.values()) - runs >= BLOCKS
         eager, eager_int8_calls = comfy038.model_call(quantized, monkeypatch)  # streamed, eager, same plan
     assert eager_int8_calls == int8_calls
-    assert _rel(out, eager) < INT8_RTOL
+    assert rel(out, eager) < INT8_RTOL
     assert compiled.model is not quantized.model
 
 
@@ -127,7 +124,7 @@ def test_a_streamed_model_that_cannot_be_loaded_again_runs_eagerly_and_the_node_
         runs = sum(graph_runs.values())
         out, _ = comfy038.model_call(compiled, monkeypatch)
     assert is_dynamic(compiled) and sum(graph_runs.values()) == runs
-    assert _rel(out, eager) < RTOL
+    assert rel(out, eager) < RTOL
     reason = cm.eager_reason(compiled)
     assert "cannot load this model again without streaming its weights" in reason
     assert "--disable-dynamic-vram" in reason

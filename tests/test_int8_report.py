@@ -221,6 +221,12 @@ def test_the_decision_is_made_once_per_layer(comfy_root, node, monkeypatch):
     assert {layer.decision for layer in result.layers} == {"int8"}
 
 
+def _speed_line(result: CalibrationResult) -> str:
+    """The report's `speed gate:` paragraph."""
+    return next(part for part in format_report(result, QuantizeSettings(), {}).split("\n\n")
+                if part.startswith("speed gate:"))
+
+
 def test_summary_says_when_the_speed_gate_kept_every_layer_float():
     """What the first H200 run showed: every layer that reached the speed gate was slower in INT8, so none ran in
     INT8; the summary says so instead of claiming the gate was off."""
@@ -257,16 +263,12 @@ def test_where_launches_kept_gpu_layers_float_the_report_names_cuda_graphs():
                                 density=900.0, error=1e-4, decision=decision, float_ms=0.03,
                                 int8_ms=0.12 if decision == SLOWER_IN_INT8 else 0.02, timing_pairs=3)
 
-    def speed_line(result: CalibrationResult) -> str:
-        return next(part for part in format_report(result, QuantizeSettings(), {}).split("\n\n")
-                    if part.startswith("speed gate:"))
-
     hint = "Compile Model in mode reduce-overhead replays each model call from CUDA graphs"
     mostly_float = CalibrationResult(key="k", shape=[2, 4, 128, 128], kernel_backend="triton",
                                      layers=[layer("a", SLOWER_IN_INT8), layer("b", SLOWER_IN_INT8), layer("c", "int8")])
-    assert hint in speed_line(mostly_float)
+    assert hint in _speed_line(mostly_float)
     all_float = dataclasses.replace(mostly_float, layers=mostly_float.layers[:2])
-    assert hint in speed_line(all_float)
+    assert hint in _speed_line(all_float)
     assert ("2 kept float by the speed gate; Compile Model in mode reduce-overhead takes out the launch cost"
             in format_report(all_float, QuantizeSettings(), {}).split("\n\n")[0])
     for no_hint in (dataclasses.replace(mostly_float, cuda_graph_timing=True),
@@ -299,17 +301,13 @@ def test_the_report_says_which_timings_other_work_disturbed():
         "settled": "settled, 3 pairs", "waited": "re-measured, 9 pairs", "noisy": "noisy, 30 pairs",
         "cuda": "3 pairs", "near": "close, 6 pairs", "untimed": "-"}
 
-    def speed_line(result: CalibrationResult) -> str:
-        return next(part for part in format_report(result, QuantizeSettings(), {}).split("\n\n")
-                    if part.startswith("speed gate:"))
-
-    assert "1 re-measured, as other work on the machine disturbed their first samples" in speed_line(result)
-    assert "1 noisy, " in speed_line(result) and "may not hold on a quiet machine" in speed_line(result)
+    assert "1 re-measured, as other work on the machine disturbed their first samples" in _speed_line(result)
+    assert "1 noisy, " in _speed_line(result) and "may not hold on a quiet machine" in _speed_line(result)
     # a close call took more pairs, and the report does not blame other work for it
-    assert "1 timed with more pairs, as float and INT8 came within 25% of each other" in speed_line(result)
+    assert "1 timed with more pairs, as float and INT8 came within 25% of each other" in _speed_line(result)
     quiet = CalibrationResult(key="k", shape=[1, 16, 32, 32], kernel_backend="cpu",
                               layers=[layer("settled", "int8", 3, "settled")])
-    assert "re-measured" not in speed_line(quiet) and "noisy" not in speed_line(quiet)
+    assert "re-measured" not in _speed_line(quiet) and "noisy" not in _speed_line(quiet)
 
 
 def test_a_decision_timed_on_one_triton_kernel_is_not_reused_for_another(monkeypatch):

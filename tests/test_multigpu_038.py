@@ -21,12 +21,9 @@ from harness.tiny_models import build_tiny_model, sample
 from tests.support import comfy038_multigpu
 from tests.support.counting_backend import COUNTING, register_counting_backend
 from tests.support.deepcache_tiny import one_thread  # noqa: F401 - module fixture: one torch thread
+from tests.support.int8_checks import rel
 
 INT8_RTOL = 1e-3  # cond and uncond batched together (one device) or apart (two) round INT8 activations alike
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _tiny(kind: str, seed: int):
@@ -75,12 +72,12 @@ def test_multigpu_split_matches_one_device_and_builds_each_copy_once(pack, kind,
         pool.shutdown()
     monkeypatch.setattr(plan_module.Int8Plan, "_quantize_layer", staticmethod(quantize_layer))
     one_device = sample(stack, kind, steps=steps)  # 0.3.75's own sampling: the control
-    assert _rel(one_device, sample(quantized, kind, steps=steps)) > 1e-5, "DeepCache skipped nothing"
+    assert rel(one_device, sample(quantized, kind, steps=steps)) > 1e-5, "DeepCache skipped nothing"
 
     roots = {id(quantized.model.diffusion_model), id(fresh.diffusion_model)}
     assert set(swapped_in) == roots and all(swapped_in.values()), "a device ran without INT8 layers"
     assert not set.intersection(*swapped_in.values()), "the two devices' models computed with the same INT8 copies"
-    assert _rel(first, one_device) < INT8_RTOL, (_rel(first, one_device), report)
+    assert rel(first, one_device) < INT8_RTOL, (rel(first, one_device), report)
     assert torch.equal(first, second)
     per_layer = Counter()
     for (layer, _), n in builds.items():
