@@ -30,6 +30,8 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench_gpu import median_ms  # noqa: E402
 from common import autotune_choices, environment  # noqa: E402
 
+# Dense INT8 tensor-core peak (TOPS, no sparsity) of the cards the GPU runs meet, from NVIDIA's data sheets.
+INT8_DENSE_PEAK_TOPS = {"H100": 1979.0, "H200": 1979.0}
 LINEAR_SHAPES = [(8192, 640, 640), (2048, 1280, 1280), (2048, 1280, 10240), (4608, 3072, 3072),
                  (4608, 3072, 12288), (4608, 12288, 3072)]  # fmt: skip
 CONV_SHAPES = [(2, 320, 128, 128, 320), (2, 640, 64, 64, 640), (2, 1280, 32, 32, 1280)]
@@ -59,6 +61,25 @@ def fp8_us(x: torch.Tensor, w: torch.Tensor) -> float:
         return median_us(lambda: torch._scaled_mm(xf, wf, scale_a=sx, scale_b=sw, out_dtype=x.dtype))
     except Exception:  # noqa: BLE001 - no FP8 GEMM on this GPU or torch
         return float("nan")
+
+
+def tma_us(xq: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
+           dtype: torch.dtype) -> float:
+    """The persistent TMA GEMM alone (INT8_ACCEL_TRITON_LINEAR=fused-tma), or NaN where it cannot run."""
+    from comfyui_int8_accel.kernels import triton_gemm_tma
+
+    if triton_gemm_tma.unsupported_reason(xq, q) is not None:
+        return float("nan")
+    return median_us(lambda: triton_gemm_tma.gemm_rescale_tma(xq, q, row_scale, s, b, dtype))
+
+
+def peak_share(us: float, m: int, k: int, n: int) -> str:
+    """What share of this card's dense INT8 peak a GEMM of these sizes taking `us` reaches ("-" if unknown)."""
+    name = torch.cuda.get_device_name()
+    peak = next((tops for card, tops in INT8_DENSE_PEAK_TOPS.items() if card in name), None)
+    if peak is None or us != us:
+        return "-"
+    return f"{2 * m * k * n / (us * 1e-6) / (peak * 1e12):.0%}"
 
 
 def kernel_list(fn: Callable[[], object]) -> str:
@@ -99,10 +120,13 @@ def main() -> int:
              "Median us per call (CUDA events); host us: enqueue time per call, 100 calls without sync.", "",
              "fused: the Triton INT8 GEMM with the rescale in its epilogue (INT8_ACCEL_TRITON_LINEAR=fused), alone "
              "on quantized rows; fp8 _scaled_mm: torch._scaled_mm on e4m3 operands with per-row and per-column "
-             "scales, alone (the 8-bit GEMM cuBLASLt runs natively on Hopper), where this GPU has it.", "",
-             "| linear M x K x N | float | _int_mm alone | fused GEMM alone | fp8 _scaled_mm alone | quantize rows | "
-             "rescale | int8 op (dispatch) | backend fn | host us: float / int8 op |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "scales, alone (the 8-bit GEMM cuBLASLt runs natively on Hopper), where this GPU has it; TMA: the "
+             "persistent TMA GEMM (INT8_ACCEL_TRITON_LINEAR=fused-tma), alone; % of INT8 peak: fused / TMA against "
+             "the card's dense INT8 tensor-core peak (H100/H200: 1979 TOPS), from CUDA-event time.", "",
+             "| linear M x K x N | float | _int_mm alone | fused GEMM alone | TMA GEMM alone | % of INT8 peak | "
+             "fp8 _scaled_mm alone | quantize rows | rescale | int8 op (dispatch) | backend fn | "
+             "host us: float / int8 op |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     kernels_seen = []
 
     def write() -> None:
@@ -119,16 +143,19 @@ def main() -> int:
             wp = cuda_backend.prepared_linear_weight(q)
             xq, row_scale = triton_kernels.quantize_rows(x)
             acc = cuda_backend.int_mm_padded(xq, wp, n)
+            fused = median_us(lambda: triton_kernels.gemm_rescale(xq, q, row_scale, s, b, dtype))
+            tma = tma_us(xq, q, row_scale, s, b, dtype)
             cells = [median_us(lambda: F.linear(x, w, b)),
                      median_us(lambda: torch._int_mm(xq, wp.t())),
-                     median_us(lambda: triton_kernels.gemm_rescale(xq, q, row_scale, s, b, dtype)),
+                     fused, tma, f"{peak_share(fused, m, k, n)} / {peak_share(tma, m, k, n)}",
                      fp8_us(x, w),
                      median_us(lambda: triton_kernels.quantize_rows(x)),
                      median_us(lambda: triton_kernels.rescale(acc, row_scale, s, b, dtype)),
                      median_us(lambda: kernels.int8_linear(x, q, s, b)),
                      median_us(lambda: triton_backend.linear(x, q, s, b))]
             host = (host_us(lambda: F.linear(x, w, b)), host_us(lambda: kernels.int8_linear(x, q, s, b)))
-            lines.append(f"| {m}x{k}x{n} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {host[0]:.1f} / {host[1]:.1f} |")
+            lines.append(f"| {m}x{k}x{n} | " + " | ".join(c if isinstance(c, str) else f"{c:.1f}" for c in cells)
+                         + f" | {host[0]:.1f} / {host[1]:.1f} |")
             kernels_seen.append(f"- linear {m}x{k}x{n}: {kernel_list(lambda: kernels.int8_linear(x, q, s, b))}")
         except Exception as exc:  # noqa: BLE001
             lines.append(f"| {m}x{k}x{n} | failed: {type(exc).__name__}: {' '.join(str(exc).split())[:150]} |")

@@ -29,7 +29,14 @@ POINTER_TYPES = {"x_ptr": "*bf16", "w_ptr": "*i8", "a_ptr": "*i8", "q_ptr": "*i8
                  "partial_ptr": "*fp32", "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}  # fmt: skip
 QUANTIZED_INPUT = ("_conv2d_int8_kernel", "_conv2d_int8_nhwc_kernel")  # their x_ptr holds int8 values
 # constexprs the callers pass (not autotuned), at values a diffusion model's layers use
-CALLER_CONSTEXPRS = {"KH": 3, "KW": 3, "HAS_BIAS": True, "PARTIALS": 512, "BLOCK_N": 128}
+# (the one-pass row quantizer's BLOCK_K: SDXL's 1280-wide rows rounded up; the TMA GEMM's blocks: a wide layer's)
+CALLER_CONSTEXPRS = {"KH": 3, "KW": 3, "HAS_BIAS": True, "PARTIALS": 512, "BLOCK_N": 128, "BLOCK_K": 2048}
+TMA_CALLER_CONSTEXPRS = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128}
+# The TMA GEMM's descriptors: int8 tiles of A [BLOCK_M, BLOCK_K] and W [BLOCK_N, BLOCK_K]
+DESCRIPTOR_BLOCKS = {"a_desc": ("BLOCK_M", "BLOCK_K"), "w_desc": ("BLOCK_N", "BLOCK_K")}
+
+
+DEFAULT_STAGES = 3  # triton.Config's pipeline depth where a candidate names none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,29 +75,38 @@ def compile_kernels(capability: int, every_candidate: bool) -> list[Compiled]:
     from harness.comfy_host import load_pack
 
     load_pack()
-    from comfyui_int8_accel.kernels import triton_kernels
+    from comfyui_int8_accel.kernels import triton_gemm_tma, triton_kernels
 
     target = GPUTarget("cuda", capability, 32)
     results = []
-    for name, autotuned in sorted(vars(triton_kernels).items()):
+    autotuned_kernels = [(name, kernel, CALLER_CONSTEXPRS) for name, kernel in vars(triton_kernels).items()]
+    if capability >= 90:  # TMA: Hopper and newer
+        autotuned_kernels += [(name, kernel, TMA_CALLER_CONSTEXPRS) for name, kernel in vars(triton_gemm_tma).items()]
+    for name, autotuned, caller_constexprs in sorted(autotuned_kernels, key=lambda entry: entry[0]):
         if not isinstance(autotuned, Autotuner):
             continue
         fn = autotuned.fn
         for config in autotuned.configs if every_candidate else autotuned.configs[:1]:
-            constexprs = {**{k: v for k, v in CALLER_CONSTEXPRS.items() if k in fn.arg_names}, **config.kwargs}
+            constexprs = {**{k: v for k, v in caller_constexprs.items() if k in fn.arg_names}, **config.kwargs}
             signature = {}
             for arg in fn.arg_names:
                 if arg in constexprs:
                     signature[arg] = "constexpr"
+                elif arg in DESCRIPTOR_BLOCKS:
+                    rows, cols = (constexprs[block] for block in DESCRIPTOR_BLOCKS[arg])
+                    signature[arg] = f"tensordesc<i8[{rows}, {cols}]>"
                 elif arg == "x_ptr" and name in QUANTIZED_INPUT:
                     signature[arg] = "*i8"
                 else:
                     signature[arg] = POINTER_TYPES.get(arg, "i32") if arg.endswith("_ptr") else "i32"
             label = ", ".join(f"{k}={v}" for k, v in config.kwargs.items()) + f", {config.num_warps} warps"
+            if config.num_stages != DEFAULT_STAGES:
+                label += f", {config.num_stages} stages"
             start = time.perf_counter()
             try:
                 triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
-                               options={"enable_fp_fusion": False, "num_warps": config.num_warps})  # fmt: skip
+                               options={"enable_fp_fusion": False, "num_warps": config.num_warps,
+                                        "num_stages": config.num_stages})  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - reported per kernel and candidate
                 results.append(Compiled(name, label, time.perf_counter() - start,
                                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:600]}"))

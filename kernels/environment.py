@@ -18,7 +18,7 @@ COMPILE_QUANTIZER = "INT8_ACCEL_COMPILE_QUANTIZER"
 TRACED_QUANTIZER = "INT8_ACCEL_TRACED_QUANTIZER"
 TRACED_QUANTIZER_CHOICES = ("1", "0")
 TRITON_LINEAR = "INT8_ACCEL_TRITON_LINEAR"
-TRITON_LINEAR_CHOICES = ("auto", "int-mm", "fused")
+TRITON_LINEAR_CHOICES = ("auto", "int-mm", "fused", "fused-tma")
 TRITON_CONV = "INT8_ACCEL_TRITON_CONV"
 TRITON_CONV_CHOICES = ("auto", "nchw", "nhwc")
 
@@ -82,8 +82,9 @@ def _choice(name: str, choices: tuple[str, ...]) -> str:
 
 def triton_linear_gemm() -> str:
     """How the triton backend multiplies a Linear (read at every call): "auto" (default: the backend picks per
-    GPU, `triton_backend.linear_gemm`), "int-mm" (torch._int_mm, then the rescale kernel) or "fused" (one Triton
-    INT8 GEMM with the rescale in its epilogue)."""
+    GPU, `triton_backend.linear_gemm`), "int-mm" (torch._int_mm, then the rescale kernel), "fused" (one Triton
+    INT8 GEMM with the rescale in its epilogue) or "fused-tma" (the same GEMM as a persistent kernel reading its
+    tiles through TMA, on GPUs of compute capability 9.0 and newer; "fused" where a layer cannot take it)."""
     return _choice(TRITON_LINEAR, TRITON_LINEAR_CHOICES)
 
 

@@ -29,6 +29,13 @@ def _kernels() -> ModuleType:
     return triton_kernels
 
 
+@functools.cache
+def _tma_gemm() -> ModuleType:
+    from . import triton_gemm_tma
+
+    return triton_gemm_tma
+
+
 def available() -> str | None:
     triton_kernels = _kernels()
     if not triton_kernels.AVAILABLE:
@@ -57,9 +64,9 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 
 def linear_gemm(device: torch.device) -> str:
-    """The GEMM a Linear on `device` runs: "fused" or "int-mm", as INT8_ACCEL_TRITON_LINEAR forces, else "fused"
-    on CUDA GPUs of compute capability 9.0 and newer and "int-mm" elsewhere (CPU tensors under the
-    interpreter included)."""
+    """The GEMM a Linear on `device` runs: "fused", "fused-tma" or "int-mm", as INT8_ACCEL_TRITON_LINEAR forces,
+    else "fused" on CUDA GPUs of compute capability 9.0 and newer and "int-mm" elsewhere (CPU tensors under the
+    interpreter included). "fused-tma" is not chosen by itself until a GPU run measures it against "fused"."""
     chosen = triton_linear_gemm()
     if chosen != "auto":
         return chosen
@@ -100,7 +107,10 @@ def linear_quantized(q: torch.Tensor, row_scale: torch.Tensor, q_weight: torch.T
     """The Linear on rows already quantized per token (the reference formula: int8 [M, K], float32 scale [M]):
     [M, N] in `dtype`, through the GEMM `linear_gemm` picks."""
     triton_kernels = _kernels()
-    if linear_gemm(q.device) == "fused":
+    gemm = linear_gemm(q.device)
+    if gemm == "fused-tma" and _tma_gemm().unsupported_reason(q, q_weight) is None:
+        return _tma_gemm().gemm_rescale_tma(q, q_weight, row_scale, w_scale, bias, dtype)
+    if gemm != "int-mm":
         return triton_kernels.gemm_rescale(q, q_weight, row_scale, w_scale, bias, dtype)
     acc = int_mm_padded(q, prepared_linear_weight(q_weight), q_weight.shape[0])
     return triton_kernels.rescale(acc, row_scale, w_scale, bias, dtype)

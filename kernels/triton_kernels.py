@@ -24,6 +24,7 @@ device (the conv's activation scale and zero point) are passed as pointers, neve
 
 # No `from __future__ import annotations`: Triton 3.0's interpreter recognises `tl.constexpr` parameters only by
 # their annotation object, not a string.
+import functools
 import inspect
 import os
 
@@ -158,6 +159,28 @@ if AVAILABLE:
             q = tl.minimum(tl.maximum(q, -127.0), 127.0)
             tl.store(q_ptr + q_rows[:, None] + (k0 + cols)[None, :], q.to(tl.int8), mask=mask)
         tl.store(scale_ptr + rows, tl.math.div_rn(safe, tl.full([BLOCK_M], 127.0, tl.float32)), mask=row_mask)
+
+    # The same quantizer in one pass over x where a row block fits in registers (K up to ONE_PASS_MAX_K): each
+    # row is loaded once, its amax taken and its values quantized from the loaded block, where the kernel above
+    # loads every row twice. BLOCK_K is the row width rounded up to a power of two (the caller's); BLOCK_M rows per
+    # program, autotuned, keyed on K.
+    @_autotune(configs=_configs(({"BLOCK_M": 16}, 4), [
+        ({"BLOCK_M": 1}, 4), ({"BLOCK_M": 2}, 4), ({"BLOCK_M": 4}, 8), ({"BLOCK_M": 8}, 8)]), key=["K"])
+    @triton.jit
+    def _quantize_rows_one_pass_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, BLOCK_M: tl.constexpr,
+                                       BLOCK_K: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_K)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        v = tl.load(x_ptr + (rows.to(tl.int64) * stride_xm)[:, None] + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        amax = tl.max(tl.abs(v), axis=1)
+        safe = tl.where(amax > 0, amax, 1.0)
+        inv_scale = tl.math.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), safe)
+        q = tl.floor(v * inv_scale[:, None] + 0.5)
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        tl.store(q_ptr + (rows.to(tl.int64) * stride_qm)[:, None] + cols[None, :], q.to(tl.int8), mask=mask)
+        tl.store(scale_ptr + rows, tl.math.div_rn(safe, tl.full([BLOCK_M], 127.0, tl.float32)), mask=rows < M)
 
     @_autotune(configs=_configs(({"BLOCK_M": 128, "BLOCK_N": 128}, 4), [
         ({"BLOCK_M": 64, "BLOCK_N": 64}, 4), ({"BLOCK_M": 128, "BLOCK_N": 64}, 4),
@@ -437,15 +460,29 @@ def _require() -> None:
         raise RuntimeError("triton is not importable")
 
 
+# The widest row the one-pass quantizer holds in registers: 8192 float32 values per row of a program's block
+# (Flux's 12288-wide MLP output takes the two-pass kernel).
+ONE_PASS_MAX_K = 8192
+
+
+def _row_blocks(meta: dict, m: int) -> tuple[int]:
+    return (triton.cdiv(m, meta["BLOCK_M"]),)
+
+
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric int8 quantization of a float [M, K] matrix: (int8 [M, K], float32 scale [M])."""
+    """Per-token symmetric int8 quantization of a float [M, K] matrix: (int8 [M, K], float32 scale [M]), in one
+    launch; rows up to ONE_PASS_MAX_K wide are read once, wider ones twice."""
     _require()
     x2d = x2d.contiguous()
     m, k = x2d.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x2d.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)  # noqa: E731
-    _quantize_rows_kernel[grid](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), **EXACT)
+    grid = functools.partial(_row_blocks, m=m)
+    if k <= ONE_PASS_MAX_K:
+        _quantize_rows_one_pass_kernel[grid](x2d, q, scale, m, k, x2d.stride(0), q.stride(0),
+                                             BLOCK_K=triton.next_power_of_2(k), **EXACT)  # fmt: skip
+    else:
+        _quantize_rows_kernel[grid](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), **EXACT)
     return q, scale
 
 

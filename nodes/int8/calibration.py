@@ -86,7 +86,7 @@ class CalibrationResult:
     left_to_core: dict[str, str] = field(default_factory=dict)  # core-quantized layers in formats INT8 cannot take
     created: float = field(default_factory=time.time)
     weight_bits: int = 0  # width of the INT8 weights (8, or 7 on CPUs without VNNI); 0: not recorded
-    linear_gemm: str = ""  # the triton kernel backend's Linear GEMM ("fused" / "int-mm"); "" for the others
+    linear_gemm: str = ""  # the triton kernel backend's Linear GEMM ("fused" / "fused-tma" / "int-mm"); "" for the others
     conv_layout: str = ""  # the triton kernel backend's conv kernel ("nchw" / "nhwc"); "" for the others
     # the speed gate timed the layers as CUDA graph replays (Compile Model replays the model's calls from graphs)
     cuda_graph_timing: bool = False
