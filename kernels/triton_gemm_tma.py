@@ -127,7 +127,7 @@ def gemm_rescale_tma(a: torch.Tensor, q_weight: torch.Tensor, row_scale: torch.T
     out = torch.empty((m, n), dtype=dtype, device=a.device)
     col_scale = col_scale.to(torch.float32).contiguous()
     bias_arg = col_scale if bias is None else bias.contiguous()
-    programs = _programs(a.device, triton.cdiv(m, block_m) * triton.cdiv(n, block_n))
+    programs = _programs(a.device, triton_kernels.cdiv(m, block_m) * triton_kernels.cdiv(n, block_n))
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(q_weight, [block_n, block_k])
     _gemm_rescale_tma_kernel[(programs,)](a_desc, w_desc, row_scale.contiguous(), col_scale, bias_arg, out, m, n, k,

@@ -95,6 +95,7 @@ def _autotune(configs: list, key: list[str]):
         # Triton's constructor differs between releases; its instance takes the subclass's launch path as it is.
         tuned.__class__ = ChosenConfigAutotuner
         tuned.chosen_configs = {}
+        tuned.tensor_positions = {}
         tuned.key_positions = tuple((tuned.arg_names.index(name), name) for name in key)
         return tuned
 
@@ -113,6 +114,7 @@ if AVAILABLE:
 
         chosen_configs: dict  # tuning key -> the chosen config's launch keywords
         key_positions: tuple  # (position, name) of each key argument
+        tensor_positions: dict  # number of positional arguments -> the positions of the tensors among them
 
         def run(self, *args, **kwargs):
             key = self._tuning_key(args, kwargs)
@@ -125,8 +127,12 @@ if AVAILABLE:
 
         def _tuning_key(self, args: tuple, kwargs: dict) -> tuple:
             count = len(args)
+            tensors = self.tensor_positions.get(count)
+            if tensors is None:  # which positional arguments are tensors: the same at every launch of a call site
+                tensors = self.tensor_positions[count] = tuple(
+                    index for index, arg in enumerate(args) if isinstance(arg, torch.Tensor))
             key = [args[index] if index < count else kwargs.get(name) for index, name in self.key_positions]
-            key += [arg.dtype for arg in args if isinstance(arg, torch.Tensor)]
+            key += [args[index].dtype for index in tensors]
             return tuple(key)
 
 
@@ -455,6 +461,17 @@ if AVAILABLE:
                        out_ptr, C_out, H_out, W_out, HAS_BIAS)  # fmt: skip
 
 
+# Host-side sizes in plain Python: `triton.cdiv` and `triton.next_power_of_2` are constexpr functions in recent
+# Triton releases, which unwrap their arguments at every call (about 2 us each on the 2-core CPU, several per
+# launch through the grid functions).
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _require() -> None:
     if not AVAILABLE:
         raise RuntimeError("triton is not importable")
@@ -466,7 +483,7 @@ ONE_PASS_MAX_K = 8192
 
 
 def _row_blocks(meta: dict, m: int) -> tuple[int]:
-    return (triton.cdiv(m, meta["BLOCK_M"]),)
+    return (cdiv(m, meta["BLOCK_M"]),)
 
 
 def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,7 +497,7 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     grid = functools.partial(_row_blocks, m=m)
     if k <= ONE_PASS_MAX_K:
         _quantize_rows_one_pass_kernel[grid](x2d, q, scale, m, k, x2d.stride(0), q.stride(0),
-                                             BLOCK_K=triton.next_power_of_2(k), **EXACT)  # fmt: skip
+                                             BLOCK_K=next_power_of_2(k), **EXACT)  # fmt: skip
     else:
         _quantize_rows_kernel[grid](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), **EXACT)
     return q, scale
@@ -501,7 +518,7 @@ def quantize_affine(x: torch.Tensor, channels_last: bool = False) -> tuple[torch
     x = x.detach().contiguous()
     n = x.numel()
     channels = x.shape[1] if x.dim() > 1 else 1
-    programs = max(1, min(triton.cdiv(n, AFFINE_GRAIN), AFFINE_PROGRAMS))
+    programs = max(1, min(cdiv(n, AFFINE_GRAIN), AFFINE_PROGRAMS))
     partials = torch.empty((2, AFFINE_PROGRAMS), dtype=torch.float32, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     zero_point = torch.empty((), dtype=torch.int32, device=x.device)
@@ -513,7 +530,7 @@ def quantize_affine(x: torch.Tensor, channels_last: bool = False) -> tuple[torch
         return q, zero_point, scale
     b, c, h, w = x.shape
     q = torch.empty((b, h, w, c), dtype=torch.int8, device=x.device)
-    grid = lambda meta: (triton.cdiv(h * w, meta["BLOCK_P"]), triton.cdiv(c, meta["BLOCK_C"]), b)  # noqa: E731
+    grid = lambda meta: (cdiv(h * w, meta["BLOCK_P"]), cdiv(c, meta["BLOCK_C"]), b)  # noqa: E731
     _quantize_affine_nhwc_kernel[grid](x, partials, q, scale, zero_point, c, h * w, programs,
                                        PARTIALS=AFFINE_PROGRAMS, **EXACT)  # fmt: skip
     return q, zero_point, scale
@@ -526,7 +543,7 @@ def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
     out = torch.empty((m, n), dtype=dtype, device=acc.device)
     col_scale = col_scale.to(torch.float32).contiguous()
     bias_arg = col_scale if bias is None else bias.contiguous()
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (cdiv(m, meta["BLOCK_M"]), cdiv(n, meta["BLOCK_N"]))  # noqa: E731
     _rescale_kernel[grid](acc, row_scale.contiguous(), col_scale, bias_arg, out, m, n, acc.stride(0), out.stride(0),
                           HAS_BIAS=bias is not None, **EXACT)  # fmt: skip
     return out
@@ -544,7 +561,7 @@ def gemm_rescale(a: torch.Tensor, q_weight: torch.Tensor, row_scale: torch.Tenso
     out = torch.empty((m, n), dtype=dtype, device=a.device)
     col_scale = col_scale.to(torch.float32).contiguous()
     bias_arg = col_scale if bias is None else bias.contiguous()
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _gemm_rescale_kernel[grid](a, q_weight, row_scale.contiguous(), col_scale, bias_arg, out, m, n, k, a.stride(0),
                                q_weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, **EXACT)  # fmt: skip
     return out
@@ -561,8 +578,8 @@ def _launch_conv(kernel, x_q: torch.Tensor, weight: torch.Tensor, image: tuple[i
     _, _, h_out, w_out = conv_output_shape(image, geometry, stride, padding, dilation)
     out = torch.empty((b, c_out, h_out, w_out), dtype=dtype, device=x_q.device)
     c_out_g = c_out // groups
-    block_n = 128 if c_out_g > 64 else max(16, triton.next_power_of_2(c_out_g))
-    grid = lambda meta: (triton.cdiv(b * h_out * w_out, meta["BLOCK_M"]), triton.cdiv(c_out_g, block_n), groups)  # noqa: E731
+    block_n = 128 if c_out_g > 64 else max(16, next_power_of_2(c_out_g))
+    grid = lambda meta: (cdiv(b * h_out * w_out, meta["BLOCK_M"]), cdiv(c_out_g, block_n), groups)  # noqa: E731
     w_scale32 = w_scale.to(torch.float32).contiguous()
     kernel[grid](
         x_q, weight, col_sum, w_scale32, w_scale32 if bias is None else bias.contiguous(), out,
