@@ -55,6 +55,7 @@ from .quant import (
     quantize_weight_per_channel,
     set_linear_activation_granularity,
 )
+from .shared_rows import SharedInput, SharedRows
 from .weight_cache import CACHE as _CACHE
 from .weight_cache import content_checksum, weight_stamp
 
@@ -93,6 +94,8 @@ __all__ = [
     "record_calls",
     "release_packed_weight",
     "runs_in_float",
+    "SharedInput",
+    "SharedRows",
     "set_linear_activation_granularity",
     "weight_bits",
     "weight_changed",

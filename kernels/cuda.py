@@ -100,6 +100,9 @@ def linear_quantized(q: torch.Tensor, row_scale: torch.Tensor, q_weight: torch.T
     return y.to(dtype)
 
 
+quantize_linear_rows = quantize_rows_symmetric  # a Linear's input, per token (shared by sibling Linears: ops)
+
+
 def linear(
     x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -8,7 +8,7 @@ Backends (`KERNEL_BACKENDS`, one module each, in one table): every backend modul
 `linear_quantized(q, row_scale, q_weight, w_scale, bias, dtype)`, the Linear on rows already quantized per token
 with the reference formula (`quantize_rows_symmetric`), which under torch.compile lets the quantizer be traced as
 torch ops for inductor to fuse into what precedes it (`int8_linear`; the cuda and triton backends have it);
-`prepare_linear` / `prepare_conv2d` (the same arguments without x) build a weight's derived forms ahead of the
+`quantize_linear_rows(x2d)`, that per-token quantizer itself, with which sibling Linears reading one tensor share its quantization in eager mode (`shared_rows`); `prepare_linear` / `prepare_conv2d` (the same arguments without x) build a weight's derived forms ahead of the
 first call (`prepare_int8_linear` / `prepare_int8_conv2d`); a backend that computes some calls in float with the
 dequantized weight (shapes below its size floor, too small for INT8 to pay) says which through
 `linear_runs_in_float(x_shape, weight_shape)` / `conv2d_runs_in_float(x_shape, weight_shape, stride, padding,
@@ -35,6 +35,7 @@ from .policy import (
 )
 from .quant import conv_output_shape, pair, quantize_rows_symmetric
 from .quantizer_tracing import quantizer_untraced
+from .shared_rows import SharedInput
 
 
 class _Recorders(threading.local):
@@ -114,6 +115,21 @@ def _conv2d_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
                                                           groups)
     _record("conv2d", kernel_backend, path)
     return y
+
+
+def _linear_shared_impl(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                        shared: SharedInput) -> torch.Tensor:
+    kernel_backend = kernel_backend_for(x.device)
+    module = KERNEL_BACKEND_MODULES[kernel_backend]
+    quantize = getattr(module, "quantize_linear_rows", None)
+    if quantize is None or x.numel() == 0 or _kernel_backend_runs_in_float(kernel_backend, "linear", x.shape,
+                                                                           q_weight.shape, [], [], []):
+        shared.passed()
+        return _linear_impl(x, q_weight, w_scale, bias)
+    q, row_scale = shared.rows_for(x, quantize)
+    y = module.linear_quantized(q, row_scale, q_weight, w_scale, bias, x.dtype)
+    _record("linear", kernel_backend, "int8")
+    return y.reshape(*x.shape[:-1], q_weight.shape[0])
 
 
 def _linear_quantized_impl(q: torch.Tensor, row_scale: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
@@ -212,13 +228,18 @@ def prepare_int8_conv2d(q_weight: torch.Tensor, w_scale: torch.Tensor, bias: tor
         prepare(q_weight, w_scale, bias, pair(stride), pair(padding), pair(dilation), int(groups))
 
 
-def int8_linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                shared: SharedInput | None = None) -> torch.Tensor:
     """W8A8 Linear: x [..., K] float, q_weight int8 [N, K], w_scale float32 [N] -> [..., N] in x.dtype.
 
     Activations are quantized at run time (per token unless `set_linear_activation_granularity("tensor")`),
-    products accumulate in int32, then rows and columns are rescaled and the bias is added in float.
+    products accumulate in int32, then rows and columns are rescaled and the bias is added in float. `shared`: the
+    layer's place in a group of sibling Linears that share one quantized input in eager mode (`shared_rows`), on
+    backends that quantize rows with the reference formula (the same bits as each quantizing its own).
     """
     if _plain_eager():
+        if shared is not None:
+            return _linear_shared_impl(x, q_weight, w_scale, bias, shared)
         return _linear_impl(x, q_weight, w_scale, bias)
     if torch.compiler.is_compiling() and traces_linear_quantizer(x.device):
         q, row_scale = quantize_rows_symmetric(x.reshape(-1, x.shape[-1]))

@@ -116,6 +116,11 @@ def linear_quantized(q: torch.Tensor, row_scale: torch.Tensor, q_weight: torch.T
     return triton_kernels.rescale(acc, row_scale, w_scale, bias, dtype)
 
 
+def quantize_linear_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Linear's input [M, K] quantized per token, the reference formula: (int8 [M, K], float32 scale [M])."""
+    return _kernels().quantize_rows(x2d)
+
+
 def linear(
     x: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -8,11 +8,14 @@ is requantized with a fresh per-row scale (a fixed scale would clip rows the LoR
 
 from __future__ import annotations
 
+import functools
+
 import comfy.ops
 import torch
 from torch.nn.modules.utils import _pair
 
 from ...kernels import (
+    SharedInput,
     dequantize_weight,
     int8_conv2d,
     int8_linear,
@@ -229,6 +232,8 @@ class Int8Linear(_Int8Layer):
     # fp16-accumulate GEMM through `cast_bias_weight` (int8 values without their scale) unless the layer asks for
     # full-precision matmul; then it calls the layer, which runs its INT8 kernels.
     _full_precision_mm = True
+    # Its place among sibling Linears that share one quantized input in eager mode (`shared_inputs`), or None.
+    shared_input: SharedInput | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, qmax: int | None = None) -> None:
         super().__init__()
@@ -269,9 +274,15 @@ class Int8Linear(_Int8Layer):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Not read while torch.compile traces: a per-layer object would be guarded on and recompile every block.
+        shared = None if torch.compiler.is_compiling() else self.shared_input
         if self._needs_float_path():
+            if shared is not None:
+                shared.passed()
             weight, bias = self._float_weight_for_forward(x)
             return torch.nn.functional.linear(x, weight, bias)
+        if shared is not None:
+            return self._run_quantized(x, functools.partial(int8_linear, shared=shared))
         return self._run_quantized(x, int8_linear)
 
     def extra_repr(self) -> str:

@@ -64,6 +64,7 @@ from .picture import decision_picture
 from .report import format_report, summary_line
 from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
 from .settings import QuantizeSettings
+from .shared_inputs import assign_shared_inputs
 from .speed import RemeasureBudget, Timing, call_signature, time_float_and_int8, timing_plan
 
 log = logging.getLogger("int8_accel.int8")
@@ -312,6 +313,7 @@ class Int8Plan:
             follow_bypass(float_module, layer)
             out[path] = layer
             placed.append((name, layer))
+        assign_shared_inputs(root, out)
         copies.last_swap = (request, out, placed)
         return out
 
