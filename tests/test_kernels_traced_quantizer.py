@@ -6,6 +6,8 @@ backend's kernel reproduces bit for bit); the cpu backend, which quantizes other
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,3 +177,51 @@ def test_only_inductor_regions_trace_the_quantizer(monkeypatch, backend, traced)
     assert normalized_mse(out, eager) < 1e-6
     with force_kernel_backend("cuda"):
         assert traces_linear_quantizer(x.device)  # outside the region, as before
+
+
+def _generated_kernels(fn, x) -> list[str]:
+    """The names of the kernels inductor generates for `fn` (compiled with the cuda backend forced, CPU tensors:
+    C++ kernels named after the ops they fuse), in order of first appearance."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with force_kernel_backend("cuda"), torch.no_grad():
+        _, sources = run_and_get_code(torch.compile(fn, backend="inductor"), x)
+    names = re.findall(r"\b(cpp_fused_\w+|triton_\w+_fused_\w+)", "\n".join(sources))
+    return list(dict.fromkeys(names))
+
+
+def test_inductor_fuses_the_traced_quantizer_into_the_layer_norm_before_it():
+    """LayerNorm -> INT8 Linear compiled by inductor: one generated kernel normalizes each row, takes its amax,
+    scale and int8 values (the rows are read once and the float LayerNorm output never written), and the GEMM is
+    the one INT8 op; with a graph break between the two, the LayerNorm and the quantizer are two kernels."""
+    if not _dynamo_reads_the_forced_backend():
+        pytest.skip("this PyTorch's dynamo keeps the Linear whole under a forced backend")
+    q, s, b = _layer(seed=5)
+    g = torch.Generator().manual_seed(6)
+    norm_weight, norm_bias = torch.randn(64, generator=g), torch.randn(64, generator=g)
+
+    def normed(x):
+        return F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias)
+
+    def together(x):
+        return int8_linear(normed(x), q, s, b)
+
+    def apart(x):
+        h = normed(x)
+        torch._dynamo.graph_break()
+        return int8_linear(h, q, s, b)
+
+    x = torch.randn(2, 40, 64)
+    fused = _generated_kernels(together, x)
+    assert len(fused) == 1, fused
+    assert all(op in fused[0] for op in ("native_layer_norm", "amax", "floor", "linear_quantized")), fused
+    separate = _generated_kernels(apart, x)
+    assert len(separate) == 2 and "amax" not in separate[0] and "amax" in separate[1], separate
+    with force_kernel_backend("cuda"), torch.no_grad(), record_calls() as calls:
+        compiled = torch.compile(together, backend="inductor")(x)
+        eager = together(x)
+    assert calls == {("linear", "cuda", "int8"): 2}
+    # inductor's LayerNorm rounds a little differently from eager's (as in the test above), so a few rows may
+    # round one value to the neighbouring integer: close, not bit-equal
+    assert normalized_mse(compiled, eager) < 1e-6
