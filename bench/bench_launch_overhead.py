@@ -37,6 +37,7 @@ from harness.comfy_host import load_pack  # noqa: E402
 
 load_pack()
 
+import comfyui_int8_accel.kernels as kernels_module  # noqa: E402
 from comfyui_int8_accel.kernels import (  # noqa: E402
     force_kernel_backend,
     int8_conv2d,
@@ -126,7 +127,8 @@ def main() -> int:
     notes = [
         f"Machine: {cpu_line()}; Triton {__import__('triton').__version__} (its interpreter's launch objects).",
         "Host us per eager call of `int8_linear` / `int8_conv2d` on the triton backend, the kernels' JIT launch "
-        "replaced by a no-op (no GPU): the pack's Python, the output allocations and Triton's autotuner; median of "
+        "replaced by a stand-in that only works out the launch grid (no GPU): the pack's Python, the output "
+        "allocations, the grid and Triton's autotuner; median of "
         f"{args.rounds} rounds of {args.calls} calls per side, the two sides interleaved.",
         "through the autotuner: every launch through `Autotuner.run`, as before; chosen config: "
         "`ChosenConfigAutotuner`, which launches the JIT function with the config chosen for the tuning key.",
@@ -134,13 +136,56 @@ def main() -> int:
         "every call, which it does not on a GPU; the Python path does not depend on the channel count.",
         "Not in these figures: the JIT launch itself (about 11-15 us per kernel in Triton 3.x by Triton's own "
         "reports) and the GPU's time; the whole host time per call on an H200 is in "
-        "bench/results/gpu_h200_run3/gpu_int8_breakdown.md (122-194 us per INT8 Linear before this change).",
+        "bench/results/gpu_h200_run3/gpu_int8_breakdown.md (122-194 us per INT8 Linear in the third H200 run). The "
+        "same bench on the code of another commit: run this file from a checkout of that commit (how "
+        "launch_overhead_9cb6b5e.md was made).",
     ]
     write_table(args.out, "Host time of an eager INT8 call, kernels excluded: autotuner vs chosen config",
                 ["call", "kernel launches", "through the autotuner (us)", "chosen config (us)", "saved (us)",
                  "saved per launch (us)", "ratio"], rows, notes)
     print(f"geomean ratio {statistics.geometric_mean(ratios):.2f}x")
+    if hasattr(kernels_module, "SharedInput"):
+        _shared_projections(args, g)
     return 0
+
+
+def _shared_projections(args: argparse.Namespace, g: torch.Generator) -> None:
+    """The Q, K and V projections of one self-attention input (SDXL's 640 and 1280 widths): each Linear quantizing
+    its own input against the three sharing one quantized input (`kernels.shared_rows`), interleaved."""
+    rows = []
+    _set_path(False)
+    with force_kernel_backend("triton"):
+        for width in (640, 1280):
+            x = torch.randn(8, width, generator=g).to(torch.bfloat16)
+            layers = []
+            for _ in range(3):
+                q_weight = torch.randint(-127, 128, (width, width), generator=g, dtype=torch.int8)
+                w_scale = torch.rand(width, generator=g) / 100
+                prepare_linear(q_weight, w_scale, None)
+                layers.append((q_weight, w_scale, None))
+
+            def each_own(x=x, layers=layers) -> None:
+                for layer in layers:
+                    int8_linear(x, *layer)
+
+            def shared(x=x, layers=layers) -> None:
+                group = kernels_module.SharedRows()
+                for index, layer in enumerate(layers):
+                    int8_linear(x, *layer, shared=kernels_module.SharedInput(group, index == 0, index == 2))
+
+            samples: dict[str, list[float]] = {"own": [], "shared": []}
+            for _ in range(args.rounds):
+                samples["own"].append(_per_call_us(each_own, args.calls // 3))
+                samples["shared"].append(_per_call_us(shared, args.calls // 3))
+            own, together = (statistics.median(samples[side]) for side in ("own", "shared"))
+            rows.append([f"Q, K, V projections {width} -> {width}", "6 / 4", f"{own:.1f}", f"{together:.1f}",
+                         f"{own - together:.1f}", f"{own / together:.2f}x"])
+    write_table(args.out, "The three projections of one self-attention input: each quantizing vs sharing",
+                ["calls", "kernel launches (each / shared)", "each its own quantizer (us)", "one shared (us)",
+                 "saved (us)", "ratio"], rows,
+                ["Host us for the three eager INT8 Linear calls together, kernels excluded as above, chosen-config "
+                 f"launches; median of {args.rounds} rounds, the two sides interleaved. Sharing also leaves out two "
+                 "quantizer kernels' GPU time, which these figures do not contain."], append=True)
 
 
 if __name__ == "__main__":
