@@ -107,7 +107,7 @@ def test_modes_mark_a_step_per_model_call_and_hand_no_graph_output_to_the_model(
 
     assert rel(out, eager) < RTOL
     for cls in (ResBlock, BasicTransformerBlock):
-        region = blocks.block_region(cls, cm.CompileSettings(mode=mode))
+        region = blocks.block_region(cls, cm.CompileSettings(mode=mode).for_latent_sizes(1))
         assert region.compiled is not None and region.disabled_reason is None, cls
     block_names = {"ResBlock blocks", "BasicTransformerBlock blocks"}
     calls = events.count("model call")

@@ -256,10 +256,22 @@ def weights_without_grad(modules: list[torch.nn.Module]) -> Iterator[None]:
 
 
 def make_blocks_wrapper(settings: CompileSettings) -> Callable:
-    """The APPLY_MODEL wrapper that runs the diffusion model's blocks compiled for the duration of one call."""
+    """The APPLY_MODEL wrapper that runs the diffusion model's blocks compiled for the duration of one call, with
+    the settings for the latent sizes this model has run at (`CompileSettings.for_latent_sizes`)."""
+    latent_sizes: set[tuple[int, ...]] = set()
 
     def apply_model_wrapper(executor, *args, **kwargs):
-        plan = plan_block_forwards(executor.class_obj.diffusion_model, settings)
+        latent = args[0] if args else kwargs.get("x")
+        if isinstance(latent, torch.Tensor) and len(latent_sizes) < 2:
+            size = tuple(latent.shape[2:])
+            if size not in latent_sizes:
+                latent_sizes.add(size)
+                if settings.dynamic == "auto" and len(latent_sizes) == 2:
+                    log.info("int8-accel compile: a second latent size (%s after %s): the blocks compile once more, "
+                             "with dynamic shapes, for every size from now on", list(size),
+                             [list(seen) for seen in latent_sizes if seen != size])
+        chosen = settings.for_latent_sizes(len(latent_sizes))
+        plan = plan_block_forwards(executor.class_obj.diffusion_model, chosen)
         mark_cuda_graph_step(settings)
         with swapped_forwards(plan), weights_without_grad([block for block, _ in plan]):
             return executor(*args, **kwargs)

@@ -35,8 +35,10 @@ class Int8AccelCompile(io.ComfyNode):
                     "first compile) and uses CUDA graphs too; max-autotune-no-cudagraphs does not. Ignored by "
                     "other backends.")),
                 io.Combo.Input("dynamic", options=DYNAMIC_CHOICES, default="auto", tooltip=(
-                    "Dynamic shapes. auto/true: compile once for all resolutions and channel counts; false: "
-                    "static shapes, one compile per new shape (each new resolution recompiles).")),
+                    "Dynamic shapes. auto: static shapes at the first resolution (the fastest compile and "
+                    "code), then once more with dynamic shapes at the second, which every later resolution "
+                    "reuses; true: dynamic shapes from the start; false: static shapes, each new resolution "
+                    "recompiles.")),
                 io.Boolean.Input("fullgraph", default=False, tooltip=(
                     "Fail a compiled region on any graph break instead of splitting it (a failure still falls "
                     "back to eager with a warning).")),

@@ -47,9 +47,19 @@ class CompileSettings:
     fullgraph: bool = False
 
     def torch_dynamic(self) -> bool:
-        # the regions see every channel count and size of the UNet within one forward, so "auto"
-        # means dynamic from the start: static-first would recompile inside the very first step
+        # the cpu-pieces regions see every channel count and size of the UNet within one forward, so "auto"
+        # means dynamic from the start there: static-first would recompile inside the very first step (the blocks
+        # strategy resolves "auto" per model instead: `for_latent_sizes`)
         return self.dynamic != "false"
+
+    def for_latent_sizes(self, sizes_seen: int) -> CompileSettings:
+        """The settings a block region compiles with once the model has run at `sizes_seen` latent sizes: "auto"
+        is static shapes while there is one (graphs with no symbolic sizes, compiled and run fastest, one per
+        block shape) and dynamic from the second on (one more set of graphs, which every later size reuses);
+        "true" and "false" are as the person set them."""
+        if self.dynamic != "auto":
+            return self
+        return dataclasses.replace(self, dynamic="false" if sizes_seen <= 1 else "true")
 
     def uses_cuda_graphs(self) -> bool:
         """True when the compiled code replays CUDA graphs: its outputs live in a memory pool that the next
