@@ -27,7 +27,8 @@ def _graphs() -> int:
 def _new_graphs_per_run(model, largest: list[int]) -> list[int]:
     cm = importlib.import_module("comfyui_int8_accel.nodes.compile")
     torch._dynamo.reset()  # block regions and quantizers are shared: each model starts uncompiled
-    compiled = cm.compile_model(model, cm.CompileSettings(backend=COUNTING), strategy="blocks")
+    # dynamic shapes from the first run (the node's "auto" is static at the first size, dynamic from the second)
+    compiled = cm.compile_model(model, cm.CompileSettings(backend=COUNTING, dynamic="true"), strategy="blocks")
     counts = []
     for batch, size in RUNS:
         before = _graphs()
