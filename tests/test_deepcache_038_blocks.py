@@ -4,6 +4,8 @@ changes (0.3.75's own forward is the control):
 
 * Lumina 2 / Z-Image: 0.38's `NextDiT._forward` (comfy/ldm/lumina/model.py) runs the `patches["double_block"]`
   post-block hooks after every layer and writes their result into the hidden states in place.
+* Wan 2.1/2.2: 0.38.1's `WanModel.forward_orig` (comfy/ldm/wan/model.py at 0c9a69ae) runs the
+  `patches["double_block"]` post-block hooks after every block, a replaced one included, and takes their "img".
 * LTX-2: 0.38's `LTXAVModel._process_transformer_blocks` (comfy/ldm/lightricks/av_model.py), an LTXVModel
   subclass, hands its blocks and their `patches_replace["dit"]` patches the stream "img" as the tuple
   (video, audio) and edits both in place.
@@ -118,6 +120,77 @@ def test_lumina_post_block_hooks_run_only_on_the_blocks_that_run(deepcache, lumi
         sigmas = held_sigmas(model)
         held = sample(hooked, "lumina2", sigmas=sigmas, batch=2)
         assert rel(sample(deepcache.apply_deepcache(hooked, 3, 1), "lumina2", sigmas=sigmas, batch=2), held) < 2e-6
+    finally:
+        handle.remove()
+
+
+# --- Wan: 0.38.1's post-block hooks -----------------------------------------------------------------------
+def wan_038_forward_orig(self, x, t, context, clip_fea=None, freqs=None, transformer_options=None, **kwargs):
+    """0.3.75's WanModel.forward_orig (text to video: no reference latent, no CLIP features) with the block loop
+    of 0.38.1's: after each block, replaced or not, every `patches["double_block"]` hook gets the image tokens
+    with the block index, and its "img" goes on."""
+    from comfy.ldm.wan.model import sinusoidal_embedding_1d
+
+    transformer_options = {} if transformer_options is None else transformer_options
+    x_input = x
+    x = self.patch_embedding(x.float()).to(x.dtype)
+    grid_sizes = x.shape[2:]
+    x = x.flatten(2).transpose(1, 2)
+    e = self.time_embedding(sinusoidal_embedding_1d(self.freq_dim, t.flatten()).to(dtype=x[0].dtype))
+    e = e.reshape(t.shape[0], -1, e.shape[-1])
+    e0 = self.time_projection(e).unflatten(2, (6, self.dim))
+    context = self.text_embedding(context)
+    blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
+    patches = transformer_options.get("patches", {})
+    for i, block in enumerate(self.blocks):
+        transformer_options["block_index"] = i
+        if ("double_block", i) in blocks_replace:
+            def block_wrap(args, block=block):
+                return {"img": block(args["img"], context=args["txt"], e=args["vec"], freqs=args["pe"],
+                                     context_img_len=None, transformer_options=args["transformer_options"])}
+            x = blocks_replace[("double_block", i)]({"img": x, "txt": context, "vec": e0, "pe": freqs,
+                                                     "transformer_options": transformer_options},
+                                                    {"original_block": block_wrap})["img"]
+        else:
+            x = block(x, e=e0, freqs=freqs, context=context, context_img_len=None,
+                      transformer_options=transformer_options)
+        for patch in patches.get("double_block", []):
+            x = patch({"img": x, "x": x_input, "vec": e, "block_index": i, "img_offset": 0,
+                       "transformer_options": transformer_options})["img"]
+    x = self.head(x, e)
+    return self.unpatchify(x, grid_sizes)
+
+
+def test_wan_post_block_hooks_run_only_on_the_blocks_that_run(deepcache, monkeypatch):
+    """On a cached step DeepCache's block patch passes a skipped middle block's input through; 0.38.1's Wan forward
+    then runs the post-block hooks on it anyway unless DeepCache gates them, as it does for Lumina's: a hook of a
+    skipped block must not run (it would change the passed-through tokens), the segment's last block stands for
+    the segment, interval 1 is the model alone bit for bit."""
+    from comfy.ldm.wan.model import WanModel
+
+    model = build_tiny_model("wan21", weight_std=0.05)
+    recorder = HookRecorder()
+    hooked = model.clone()
+    hooked.set_model_double_block_patch(recorder)
+    blocks = len(model.get_model_object("diffusion_model").blocks)
+    handle = _recording(model, recorder)
+    try:
+        control = sample(hooked, "wan21", steps=6)
+        assert recorder.calls == [[]] * 6  # 0.3.75's own forward runs no post-block hook
+        monkeypatch.setattr(WanModel, "forward_orig", wan_038_forward_orig)
+        recorder.calls.clear()
+        plain = sample(hooked, "wan21", steps=6)
+        assert recorder.calls == [list(range(blocks))] * 6
+        assert rel(plain, control) > 1e-3  # the hooks change the output
+        for mode in ("reuse", "forecast"):
+            assert torch.equal(sample(deepcache.apply_deepcache(hooked, 1, 1, mode=mode), "wan21", steps=6), plain)
+            recorder.calls.clear()
+            sample(deepcache.apply_deepcache(hooked, 3, 1, mode=mode), "wan21", steps=6)
+            assert recorder.calls == [list(range(blocks)) if step % 3 == 0 else [0, blocks - 2, blocks - 1]
+                                      for step in range(6)], mode
+        sigmas = held_sigmas(model)
+        held = sample(hooked, "wan21", sigmas=sigmas, batch=2)
+        assert rel(sample(deepcache.apply_deepcache(hooked, 3, 1), "wan21", sigmas=sigmas, batch=2), held) < 2e-6
     finally:
         handle.remove()
 

@@ -12,7 +12,7 @@ stack is reached one of two ways:
 
 A stream may be a tuple of tensors (LTX-2 passes video and audio as one "img"); each part is cached on its own.
 `post_hooks` names the list in `transformer_options["patches"]` the forward runs after every block
-(`{"img": ..., "block_index": i, ...}`, as ComfyUI 0.38's Lumina and Qwen-Image 2.1 do).
+(`{"img": ..., "block_index": i, ...}`, as ComfyUI 0.38's Lumina, Qwen-Image 2.1 and Wan do).
 
 Qwen-Image 2.1 and HiDream-O1 (ComfyUI 0.38) keep the prompt's keys and values across steps and turn that cache
 off whenever a block-replace patch is installed, so their blocks are reached by swapping the block list instead.
@@ -100,8 +100,9 @@ FAMILIES: tuple[Family, ...] = (
            (BlockStack("double_blocks", ("img", "txt"), patch="double_block", skip_attribute="skip_mmdit"),
             BlockStack("single_blocks", ("img",), patch="single_block", skip_attribute="skip_dit"))),
     Family("HunyuanVideo", "comfy.ldm.hunyuan_video.model", "HunyuanVideo", (_DOUBLE, _SINGLE)),
+    # ComfyUI 0.38.1's Wan forwards run the post-block hooks after every block, a replaced one included
     Family("Wan 2.1/2.2", "comfy.ldm.wan.model", "WanModel",
-           (BlockStack("blocks", ("img",), patch="double_block"),)),
+           (BlockStack("blocks", ("img",), patch="double_block", post_hooks="double_block"),)),
     Family("Qwen-Image", "comfy.ldm.qwen_image.model", "QwenImageTransformer2DModel",
            (BlockStack("transformer_blocks", ("img", "txt"), patch="double_block"),)),
     Family("Qwen-Image 2.1", "comfy.ldm.qwen_image21.model", "QwenImage21Transformer2DModel",
