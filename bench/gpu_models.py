@@ -5,7 +5,8 @@ ComfyUI's own config classes (no file), sampled by ComfyUI's own sampler at 1024
 (CFG 7 for SDXL, a UNet batch of 2; Flux dev: CFG 1, guidance 3.5, 512 text tokens). Variants, each in the same
 process against plain bf16: Quantize Model (INT8) with the node's defaults, INT8 + DeepCache + Compile Model (the
 full stack), INT8 + Compile Model, DeepCache alone, plain fp16, and plain bf16 + Compile Model (compiled against
-compiled). Per variant: seconds per step (the median of TIMED_RUNS timed 20-step runs, each's sampling time over
+compiled, static shapes at this one resolution), and the peers in the same process: torchao's int8 dynamic-activation
+and fp8 per-row quantization and plain bf16, each compiled with core's TorchCompileModel. Per variant: seconds per step (the median of TIMED_RUNS timed 20-step runs, each's sampling time over
 20: DeepCache's cached and full steps alike; plain bf16 is timed again after the last variant, to show drift), peak VRAM during it, the one-off cost before it (INT8: the first step, calibration included;
 compile: the warm-up run), how many layers ran INT8, and the PSNR of the final latent against plain bf16's. Random
 weights: the PSNR says how far a variant strays on these networks, not what a trained model's picture loses.
@@ -110,31 +111,45 @@ class Variant:
     compile: bool = False
     compile_mode: str = "default"  # Compile Model's `mode`: "reduce-overhead" replays CUDA graphs
     env: tuple[tuple[str, str], ...] = ()  # environment variables set while this variant runs
+    peer: str = ""  # another project's way, on its own copy of the model (PEERS)
 
 
-# Most wanted first: a run cut at its time limit keeps these.
-# The uncompiled ones first: on the H200 the SDXL stack's compile warm-up alone took over 100 s.
+# Peers, each on a model of its own built like the reference (same seed, same weights) and compiled the way a
+# ComfyUI user compiles it, with core's TorchCompileModel (the whole diffusion model, inductor, core's defaults).
+CORE_COMPILE, TORCHAO_INT8, TORCHAO_FP8 = "core TorchCompileModel", "torchao int8", "torchao fp8"
+PEER_COMPILE_BACKEND = "inductor"  # TorchCompileModel's default; the dry run traces with dynamo's eager backend
+DRY_PEER_COMPILE_BACKEND = "eager"  # (inductor on a whole tiny model takes minutes on 2 CPU cores)
+# Compile Model at this bench's one resolution: static shapes (the node's "auto" is static at one resolution too).
+BENCH_COMPILE_DYNAMIC = "false"
+
+# Most wanted first: a run cut at its time limit keeps these. Compiled like for like first (Compile Model on plain
+# bf16 and with INT8, CUDA graphs first: INT8 pays on SDXL's small layers only without launches), the peers in the
+# same process, the stack, then the eager rows.
 VARIANTS = (
     Variant("plain bf16"),
-    Variant("Quantize Model (INT8)", int8=True),
-    Variant("DeepCache", deepcache=True),
-    Variant("INT8 + DeepCache + Compile Model (stack)", int8=True, deepcache=True, compile=True),
-    Variant("INT8 + Compile Model", int8=True, compile=True),
-    Variant("plain bf16 + Compile Model", compile=True),
-    Variant("plain fp16", dtype=torch.float16),
-    Variant("Quantize Model (INT8), torch._int_mm GEMM", int8=True, env=(("INT8_ACCEL_TRITON_LINEAR", "int-mm"),)),
-    # the conv kernel on NCHW int8 activations, the default before the channels-last one ran 4x faster
-    Variant("Quantize Model (INT8), NCHW conv", int8=True, env=(("INT8_ACCEL_TRITON_CONV", "nchw"),)),
-    # CUDA graphs take the host time of the INT8 calls (activation quantizer, launches) out of every step
-    Variant("INT8 + Compile Model (reduce-overhead)", int8=True, compile=True, compile_mode="reduce-overhead"),
     Variant("plain bf16 + Compile Model (reduce-overhead)", compile=True, compile_mode="reduce-overhead"),
-    # the Linear's activation quantizer as its own kernel inside the INT8 op, as before inductor could fuse it
-    Variant("INT8 + Compile Model (reduce-overhead), quantizer as a kernel", int8=True, compile=True,
-            compile_mode="reduce-overhead", env=(("INT8_ACCEL_TRACED_QUANTIZER", "0"),)),
+    Variant("INT8 + Compile Model (reduce-overhead)", int8=True, compile=True, compile_mode="reduce-overhead"),
+    Variant("plain bf16 + Compile Model", compile=True),
+    Variant("INT8 + Compile Model", int8=True, compile=True),
+    Variant("torchao int8 dynamic + core TorchCompileModel", peer=TORCHAO_INT8),
+    Variant("torchao fp8 per-row + core TorchCompileModel", peer=TORCHAO_FP8),
+    Variant("plain bf16 + core TorchCompileModel", peer=CORE_COMPILE),
     # the stack with CUDA graphs: its blocks' graphs are those of "INT8 + Compile Model (reduce-overhead)", so
     # after that row it records graphs for DeepCache's shallow steps and compiles nothing new
     Variant("INT8 + DeepCache + Compile Model (reduce-overhead)", int8=True, deepcache=True, compile=True,
             compile_mode="reduce-overhead"),
+    Variant("INT8 + DeepCache + Compile Model (stack)", int8=True, deepcache=True, compile=True),
+    Variant("Quantize Model (INT8)", int8=True),
+    Variant("DeepCache", deepcache=True),
+    # the persistent TMA GEMM (Hopper), against the fused GEMM of the row above
+    Variant("Quantize Model (INT8), persistent TMA GEMM", int8=True, env=(("INT8_ACCEL_TRITON_LINEAR", "fused-tma"),)),
+    Variant("plain fp16", dtype=torch.float16),
+    Variant("Quantize Model (INT8), torch._int_mm GEMM", int8=True, env=(("INT8_ACCEL_TRITON_LINEAR", "int-mm"),)),
+    # the conv kernel on NCHW int8 activations, the default before the channels-last one ran 4x faster
+    Variant("Quantize Model (INT8), NCHW conv", int8=True, env=(("INT8_ACCEL_TRITON_CONV", "nchw"),)),
+    # the Linear's activation quantizer as its own kernel inside the INT8 op, as before inductor could fuse it
+    Variant("INT8 + Compile Model (reduce-overhead), quantizer as a kernel", int8=True, compile=True,
+            compile_mode="reduce-overhead", env=(("INT8_ACCEL_TRACED_QUANTIZER", "0"),)),
 )
 
 
@@ -206,6 +221,28 @@ def _weight_bytes(patcher) -> int:
     return sum(t.numel() * t.element_size() for t in patcher.model.diffusion_model.state_dict().values())
 
 
+def _peer_model(family: Family, variant: Variant, device: torch.device, dry: bool):
+    """A peer's model: a fresh copy of the reference (the same seed, so the same weights; the shared model stays as
+    it is), for torchao quantized in place with its `quantize_` (every nn.Linear of the diffusion model), then
+    compiled with core's TorchCompileModel as a ComfyUI user does. torchao missing, or a config this GPU cannot
+    run (fp8 below compute capability 8.9), raises: the row says why."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    model = _build(family, variant.dtype, device, dry)
+    if variant.peer in (TORCHAO_INT8, TORCHAO_FP8):
+        import torchao.quantization as torchao_quantization
+
+        if variant.peer == TORCHAO_INT8:
+            config = torchao_quantization.Int8DynamicActivationInt8WeightConfig()
+        else:
+            config = torchao_quantization.Float8DynamicActivationFloat8WeightConfig(
+                granularity=torchao_quantization.PerRow())
+        with torch.inference_mode():  # the model was built in inference mode, as ComfyUI loads models
+            torchao_quantization.quantize_(model.model.diffusion_model, config)
+    set_torch_compile_wrapper(model=model, backend=DRY_PEER_COMPILE_BACKEND if dry else PEER_COMPILE_BACKEND)
+    return model
+
+
 def _apply(base, variant: Variant):
     from comfyui_int8_accel.nodes import compile as compile_core
     from comfyui_int8_accel.nodes import deepcache
@@ -217,7 +254,8 @@ def _apply(base, variant: Variant):
     if variant.deepcache:
         model = deepcache.apply_deepcache(model, cache_interval=3, cache_depth=1)
     if variant.compile:
-        model = compile_core.compile_model(model, compile_core.CompileSettings(mode=variant.compile_mode))
+        settings = compile_core.CompileSettings(mode=variant.compile_mode, dynamic=BENCH_COMPILE_DYNAMIC)
+        model = compile_core.compile_model(model, settings)
     return model
 
 
@@ -293,10 +331,13 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
         try:
             with environment(dict(variant.env)):
                 new_base = variant.dtype not in bases
-                model = _apply(base(variant.dtype), variant)
-                if new_base:
+                if variant.peer:
+                    model = _peer_model(family, variant, device, dry)
+                else:
+                    model = _apply(base(variant.dtype), variant)
+                if new_base and not variant.peer:
                     one_off = built[variant.dtype]
-                if variant.compile:
+                if variant.compile or variant.peer:
                     warm = _sample(model, family, 3, size, device, dry)
                     one_off = f"{warm.seconds:.1f} (compile warm-up, 3 steps)"
                     print(f"gpu_models: compile phases so far (seconds):\n{_compile_phases()}", flush=True)
@@ -305,7 +346,9 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
                     one_off = f"{warm.seconds:.1f} (first step, calibration included)"
                 else:  # cuBLAS and the allocator warm, outside the timing
                     _sample(model, family, 1, size, device, dry)
-                idle = sum(_weight_bytes(other) for dtype, other in bases.items() if dtype != variant.dtype)
+                # the models resident for other rows (a peer's own copy leaves the reference resident beside it)
+                idle = sum(_weight_bytes(other) for dtype, other in bases.items()
+                           if dtype != variant.dtype or variant.peer)
                 run = _timed(model, family, steps, size, device, dry, idle)
         except KeyboardInterrupt:  # the stage's time limit: say how far the compiles got, then stop
             print(f"gpu_models: cut during {variant.name}; compile phases so far (seconds):\n{_compile_phases()}",

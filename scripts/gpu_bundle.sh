@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-bundle`: write .gpu-bundle/ (git-ignored) with what a GPU machine without network lacks for
 # scripts/gpu_run.sh: ComfyUI (the one scripts/setup.sh installed, without models/, user/, output/, input/,
-# custom_nodes/ and caches) as comfyui.tar.gz, torchsde and trampoline as cp312 wheels, and comfy-kitchen's files
+# custom_nodes/ and caches) as comfyui.tar.gz, torchsde, trampoline and torchao as cp312 wheels, and comfy-kitchen's files
 # (CUDA backend; its 150 MB ROCm library left out so the bundle stays under the device tool's 64 MiB) as
 # comfy_kitchen.tar.gz. PyAV is not carried: harness/standins/av serves ComfyUI's start-up.
 # Prints the bundle's path and size.
@@ -10,7 +10,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
 [ -x "$PY" ] || PY=python3
 BUNDLE="$ROOT/.gpu-bundle"
-WHEELS=(torchsde==0.2.6 trampoline==0.1.2)
+WHEELS=(torchsde==0.2.6 trampoline==0.1.2 torchao==0.18.0)  # torchao: the bench's peer rows (abi3, 3.4 MB)
 KITCHEN=comfy-kitchen==0.2.40
 log() { printf '[gpu-bundle] %s\n' "$*" >&2; }
 

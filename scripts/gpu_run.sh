@@ -76,14 +76,24 @@ say "machine recorded in summary.md"
 # ---- what the machine lacks: wheels, comfy-kitchen, ComfyUI, PyAV ---------------------------------------------
 SITE="$WORK/site"
 mkdir -p "$SITE"
-if ! "$PY" -c 'import torchsde' 2>/dev/null; then
-  if compgen -G "$BUNDLE/wheels/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$BUNDLE"/wheels/*.whl \
-      >>"$LOG" 2>&1 && say "installed $(ls "$BUNDLE"/wheels | tr '\n' ' ')into $SITE" \
-      || say "could not install the bundle's wheels (see above)"
+# The bundle's wheels (import name: wheel names) for what this Python lacks: torchsde for ComfyUI's samplers,
+# torchao for the bench's peer rows.
+wanted=()
+"$PY" -c 'import torchsde' 2>/dev/null || wanted+=(torchsde trampoline)
+"$PY" -c 'import torchao' 2>/dev/null || wanted+=(torchao)
+wheels=()
+for name in ${wanted[@]+"${wanted[@]}"}; do
+  found="$(compgen -G "$BUNDLE/wheels/${name}-*.whl" | head -n1)"
+  if [ -n "$found" ]; then
+    wheels+=("$found")
   else
-    say "torchsde is missing and .gpu-bundle/wheels has none: run \`make gpu-bundle\` where there is network"
+    say "$name is missing and .gpu-bundle/wheels has no wheel of it: run \`make gpu-bundle\` where there is network"
   fi
+done
+if ((${#wheels[@]})); then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${wheels[@]}" \
+    >>"$LOG" 2>&1 && say "installed $(basename -a "${wheels[@]}" | tr '\n' ' ')into $SITE" \
+    || say "could not install the bundle's wheels (see above)"
 fi
 if ! "$PY" -c 'import comfy_kitchen' 2>/dev/null && [ -f "$BUNDLE/comfy_kitchen.tar.gz" ]; then
   tar -C "$SITE" -xzf "$BUNDLE/comfy_kitchen.tar.gz" && say "comfy-kitchen unpacked into $SITE"
@@ -175,14 +185,26 @@ if [ "$DRY" = 1 ]; then
   XDIST=()
 fi
 
-# Stage limits from the first H200 run (2026-11-26): 89 kernel tests take about 95 s, the 11 ComfyUI/compile tests
-# about 25 s each of compiling (5 done in 137 s on 4 workers), the speed-gate test 9 s.
-run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-110}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
-  -k "(not ($COMFY_TESTS or $SPEED_TESTS)) and (${GPU_RUN_KERNELS_K:-not nothing})" \
+BENCH=("$PY" bench/bench_gpu.py)
+[ "$DRY" = 1 ] && BENCH+=(--dry-run)
+# The bench first: its whole-model rows, compiled like for like with the peers (torchao, core TorchCompileModel) in
+# the same process first (bench/gpu_models.py VARIANTS), are what a GPU session is rarest for. One stage per whole
+# model, so a slow SDXL cannot take the Flux model's time; the rows each writes stay in its file when it is cut.
+run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-220}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
+  ${GPU_RUN_SDXL_VARIANTS:+--variants "$GPU_RUN_SDXL_VARIANTS"} --out "$OUT/gpu_models_sdxl.md"
+run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-170}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
+  ${GPU_RUN_FLUX_VARIANTS:+--variants "$GPU_RUN_FLUX_VARIANTS"} --out "$OUT/gpu_models_flux.md"
+run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-40}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
+  --out "$OUT/gpu_int8_breakdown.md"
+# Then the kernel tests of what no GPU has run yet (the default -k), the rest when their limits are raised: the 89
+# kernel tests took about 95 s on the first H200 run, the 11 ComfyUI/compile tests about 25 s each of compiling
+# (5 done in 137 s on 4 workers), the speed-gate test 9 s.
+run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-60}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
+  -k "(not ($COMFY_TESTS or $SPEED_TESTS)) and (${GPU_RUN_KERNELS_K:-row_quantizer or fused_linear_gemm or never_sync})" \
   --junitxml "$WORK/junit-kernels.xml"
-run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-150}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
+run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-0}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
   "${XDIST[@]}" -k "$COMFY_TESTS" --junitxml "$WORK/junit-comfy.xml"
-run_stage "speed-gate test (alone)" "${GPU_RUN_SPEED_S:-30}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 25 \
+run_stage "speed-gate test (alone)" "${GPU_RUN_SPEED_S:-0}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 25 \
   -k "$SPEED_TESTS" --junitxml "$WORK/junit-speed-gate.xml"
 "$PY" - "$OUT/junit.xml" "$WORK"/junit-*.xml <<'PYEOF' 2>>"$LOG"
 import os
@@ -195,17 +217,7 @@ for path in filter(os.path.exists, sys.argv[2:]):
     merged.extend(root.iter("testsuite"))
 ET.ElementTree(merged).write(sys.argv[1], encoding="utf-8", xml_declaration=True)
 PYEOF
-BENCH=("$PY" bench/bench_gpu.py)
-[ "$DRY" = 1 ] && BENCH+=(--dry-run)
-# One stage per whole model, so a slow SDXL cannot take the Flux model's time; the rows each writes stay in its
-# file when it is cut.
-run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-60}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
-  --out "$OUT/gpu_int8_breakdown.md"
-run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-110}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
-  ${GPU_RUN_SDXL_VARIANTS:+--variants "$GPU_RUN_SDXL_VARIANTS"} --out "$OUT/gpu_models_sdxl.md"
-run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-80}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
-  ${GPU_RUN_FLUX_VARIANTS:+--variants "$GPU_RUN_FLUX_VARIANTS"} --out "$OUT/gpu_models_flux.md"
-run_stage "bench: layers" "${GPU_RUN_LAYERS_S:-20}" "${GPU_ENV[@]}" "${BENCH[@]}" --part layers --no-compile \
+run_stage "bench: layers" "${GPU_RUN_LAYERS_S:-0}" "${GPU_ENV[@]}" "${BENCH[@]}" --part layers --no-compile \
   --models sdxl,flux --reps 10 --out "$OUT/gpu_layers.md"
 
 printf '\ntotal: %s s of a %s s budget; stages failed or cut: %s\n' "$((SECONDS - START))" "$BUDGET" "$failures" \

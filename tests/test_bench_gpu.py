@@ -5,6 +5,7 @@ tensors, where the same module runs the pack's ops."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness.int8_layer import Int8Layer
@@ -89,3 +90,29 @@ def test_the_whole_model_bench_runs_the_variants_asked_for_in_that_order(pack, t
     typo = tmp_path / "typo.md"
     assert gpu_models.run_models(["sdxl"], typo, dry=True, variant_names=["DeepCache", "Deep Cache"]) == 2
     assert not typo.exists() and "no variant named 'Deep Cache'" in capsys.readouterr().out
+
+
+def test_the_peers_run_beside_the_reference_in_the_dry_run_or_say_why_not(pack, tmp_path, monkeypatch):
+    """torchao's int8 and fp8 rows and core's TorchCompileModel on plain bf16, each on a model of its own built
+    like the reference, in the same run: a row with a speed, or one that says why it could not run (torchao's fp8
+    needs compute capability 8.9; there is none on the CPU). The shared reference model is left as it was. Dry run
+    on the CPU, where the peers compile with dynamo's eager backend to keep it short (inductor on the GPU)."""
+    import importlib
+
+    from harness.comfy_host import REPO_ROOT
+
+    pytest.importorskip("torchao")
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    gpu_models = importlib.import_module("gpu_models")
+    peers = [v.name for v in gpu_models.VARIANTS if v.peer]
+    assert len(peers) == 3
+    out = tmp_path / "flux.md"
+    assert gpu_models.run_models(["flux"], out, dry=True, variant_names=peers) == 0
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in out.read_text().splitlines()
+            if line.startswith("| ") and " | " in line}
+    int8_row, fp8_row, core_row = (rows[name] for name in peers)
+    assert float(int8_row[0]) > 0 and float(core_row[0]) > 0, (int8_row, core_row)
+    assert fp8_row[0].startswith("failed: AssertionError") and "8.9" in fp8_row[0], fp8_row
+    assert core_row[5] == "identical", core_row  # the same weights, compiled: the reference's latent
+    assert int8_row[5] not in ("identical", "reference") and float(int8_row[5]) > 20, int8_row
+    assert float(rows["plain bf16"][0]) > 0

@@ -138,17 +138,19 @@ def test_linear_matches_its_definition(backend, x_shape, n, dtype, bits):
 
 
 @pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}")
+@pytest.mark.parametrize("gemm", ["fused", "fused-tma"])
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("x_shape,n", [((2, 4096, 320), 1280), ((1, 4608, 3072), 12288), ((16, 100), 36),
-                                       ((1, 5, 64), 64)])  # fmt: skip
-def test_fused_linear_gemm_matches_its_definition_and_the_int_mm_path(monkeypatch, x_shape, n, dtype):
-    """INT8_ACCEL_TRITON_LINEAR=fused, compiled for this GPU (int8 tensor-core dot, rescale in the epilogue): exact
-    against the definition and bit-equal to torch._int_mm + the rescale kernel."""
+                                       ((1, 5, 64), 64), ((3, 1000, 5120), 1280)])  # fmt: skip
+def test_fused_linear_gemm_matches_its_definition_and_the_int_mm_path(monkeypatch, x_shape, n, dtype, gemm):
+    """INT8_ACCEL_TRITON_LINEAR=fused, compiled for this GPU (int8 tensor-core dot, rescale in the epilogue), and
+    fused-tma (the persistent kernel reading its tiles through TMA; K=100 is no multiple of 16 and takes the fused
+    GEMM): exact against the definition and bit-equal to torch._int_mm + the rescale kernel."""
     q, s, b = weights((n, x_shape[-1]))
     x = lossless_rows(x_shape, dtype)
     monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "int-mm")
     int_mm = run_on_backend("triton", int8_linear, x, q, s, b.to(dtype))
-    monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "fused")
+    monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", gemm)
     fused = run_on_backend("triton", int8_linear, x, q, s, b.to(dtype))
     assert torch.equal(fused, linear_by_definition(x, q, s, b.to(dtype)))
     assert torch.equal(fused, int_mm)
@@ -222,6 +224,22 @@ def test_triton_conv_input_quantizer_equals_the_torch_formula(case, dtype):
     q_ref, zero_point_ref, scale_ref = cuda_backend.quantize_conv_input(x)
     assert torch.equal(scale, scale_ref) and torch.equal(zero_point, zero_point_ref)
     assert torch.equal(q, q_ref)
+
+
+@pytest.mark.skipif(TRITON is not None, reason=f"triton: {TRITON}")
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("k", [40, 640, 1280, 3072, 5120, 8192, 12288])
+def test_triton_row_quantizer_equals_the_torch_formula_in_one_pass_and_two(k, dtype):
+    """The Linear's activation quantizer, compiled: the one-pass kernel (rows up to 8192 wide, each read once) and
+    the two-loop one (wider rows) against the torch formula on the same GPU, bit for bit."""
+    from comfyui_int8_accel.kernels import quant, triton_kernels
+
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(300, k, generator=g) * torch.logspace(-2, 2, 300)[:, None]).to(DEVICE, dtype)
+    x[5] = 0.0
+    q, scale = triton_kernels.quantize_rows(x)
+    q_ref, scale_ref = quant.quantize_rows_symmetric(x)
+    assert torch.equal(scale, scale_ref) and torch.equal(q, q_ref)
 
 
 # ---- weight cache ---------------------------------------------------------------------------------------------
