@@ -88,3 +88,43 @@ def test_multigpu_split_matches_one_device_and_builds_each_copy_once(pack, kind,
     assert any(layer in float_layers for layer in per_layer), "the other device's model got no INT8 copies"
     plan = int8.int8_plan(split)
     assert plan.calibration_runs == 1  # the two threads' first calls: one calibrates, the other waits for it
+
+
+def test_a_device_clone_after_a_prompt_unloads_the_model_and_its_int8_copies_are_rebuilt_once(pack, monkeypatch,
+                                                                                             tmp_path):
+    """0.38.1's `deepclone_multigpu` unloads the model and its clones before it loads the other device's: where the
+    model already ran with INT8 layers (a prompt before MultiGPU was set up), the unload drops its INT8 copies with
+    it (they belong to its loaded layers); the next call rebuilds each once, from the weights as they are, and the
+    split result matches the single-device one."""
+    monkeypatch.setenv("INT8_ACCEL_CACHE_DIR", str(tmp_path))
+    int8 = importlib.import_module("comfyui_int8_accel.nodes.int8")
+    plan_module = importlib.import_module("comfyui_int8_accel.nodes.int8.plan")
+    settings = int8.QuantizeSettings(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
+    quantized, _ = int8.apply_int8(_tiny("sd15", seed=6), settings)
+    single = sample(quantized, "sd15", steps=2)
+    plan = int8.int8_plan(quantized)
+    base_model = quantized.model
+    assert plan.copies_of(base_model).modules, "the first prompt ran no INT8 layer"
+
+    builds: Counter = Counter()
+    quantize_layer = plan_module.Int8Plan._quantize_layer
+
+    def counted(module, kind_, qmax=None, device=None):
+        builds[id(module)] += 1
+        return quantize_layer(module, kind_, qmax, device)
+
+    monkeypatch.setattr(plan_module.Int8Plan, "_quantize_layer", staticmethod(counted))
+    comfy038_multigpu.install(monkeypatch)
+    fresh = _tiny("sd15", seed=6).model
+    split, other, pool = comfy038_multigpu.with_multigpu(quantized, fresh, torch.device("cpu", 0))
+    assert plan.copies_of(base_model).modules == {}  # the unload dropped the base model's INT8 copies
+    try:
+        first = sample(split, "sd15", steps=2)
+        second = sample(split, "sd15", steps=2)
+    finally:
+        pool.shutdown()
+    assert rel(first, single) < INT8_RTOL and torch.equal(first, second)
+    base_layers = {id(m) for m in base_model.diffusion_model.modules()}
+    rebuilt_base = {layer: n for layer, n in builds.items() if layer in base_layers}
+    assert rebuilt_base and set(rebuilt_base.values()) == {1}, "base copies not rebuilt, or rebuilt more than once"
+    assert any(layer not in base_layers for layer in builds), "the other device's model got no INT8 copies"

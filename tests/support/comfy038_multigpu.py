@@ -10,9 +10,10 @@ Read from Comfy-Org/ComfyUI:
   every device), plus `cond_or_uncond`, `uuids`, `sigmas`, `sample_sigmas` and `multigpu_thread_device = device`.
 - comfy/multigpu.py (stored file id 56344568975): `MultiGPUThreadPool` keeps one persistent worker thread per
   device (it calls `torch.cuda.set_device` first: left out here, the devices are CPUs); `submit` / `get_result`.
-- comfy/model_patcher.py at 08d0e510f4e539a1db39072589817136ac6cfa7d: `deepclone_multigpu` loads a fresh model
-  with the loader's `cached_patcher_init` and makes `self.clone(model_override=(fresh.model, ({}, {}, {}, set())))`
-  with `load_device = new_load_device`: the same wrappers, callbacks and patches, another BaseModel.
+- comfy/model_patcher.py at 08d0e510f4e539a1db39072589817136ac6cfa7d: `deepclone_multigpu` first unloads the model
+  and its clones (`comfy.model_management.unload_model_and_clones(self)`), then loads a fresh model with the
+  loader's `cached_patcher_init` and makes `self.clone(model_override=(fresh.model, ({}, {}, {}, set())))` with
+  `load_device = new_load_device`: the same wrappers, callbacks and patches, another BaseModel.
 
 Reduced to what a CPU runs: no memory-fit batching (every cond fits), no hooks, areas or control. The two
 "devices" are `cpu` and `cpu:0`, two keys of one CPU, each with its own thread and its own model.
@@ -145,9 +146,24 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(comfy.samplers, "_calc_cond_batch", calc_cond_batch)
 
 
+def unload_model_and_clones(patcher) -> None:
+    """`comfy.model_management.unload_model_and_clones` (0.38.1), which 0.3.75 lacks: every loaded model sharing
+    `patcher`'s model unloaded (weights unpatched, as any full unload). The stored comfy/model_management.py
+    (02b2b388) has no such function: its body here follows its name and its one call, in `deepclone_multigpu`."""
+    import comfy.model_management as mm
+
+    for index in reversed(range(len(mm.current_loaded_models))):
+        loaded = mm.current_loaded_models[index]
+        if loaded.model is not None and patcher.is_clone(loaded.model):
+            loaded.model_unload()
+            mm.current_loaded_models.pop(index)
+
+
 def device_clone(patcher, fresh_model, device: torch.device):
-    """comfy/model_patcher.py `deepclone_multigpu` (0.38.1) on 0.3.75's clone: `patcher`'s patches, wrappers,
-    callbacks and model_options over `fresh_model` (the loader's fresh load) with empty backups."""
+    """comfy/model_patcher.py `deepclone_multigpu` (0.38.1) on 0.3.75's clone: `patcher` and its clones unloaded,
+    then `patcher`'s patches, wrappers, callbacks and model_options over `fresh_model` (the loader's fresh load)
+    with empty backups."""
+    unload_model_and_clones(patcher)
     clone = patcher.clone()
     clone.model = fresh_model
     clone.backup, clone.object_patches_backup = {}, {}
