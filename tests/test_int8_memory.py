@@ -248,6 +248,49 @@ def test_dynamic_vram_partial_unload_frees_the_int8_copies_it_reports_freed(comf
     assert not plan._modules and not out.backup  # and really freed: the copies are gone from the device
 
 
+class _VbarStandIn:
+    """comfy-aimdo's VBAR as `partially_unload` asks it: `free_memory(bytes)` evicts streamed weights' slots and
+    returns the bytes it freed; it holds `resident` bytes."""
+
+    def __init__(self, resident: int) -> None:
+        self.resident, self.asked = resident, []
+
+    def free_memory(self, size: float) -> int:
+        self.asked.append(size)
+        freed = int(min(size, self.resident))
+        self.resident -= freed
+        return freed
+
+
+@pytest.mark.parametrize("vbar_holds", ["enough", "too little"])
+def test_dynamic_vram_partial_unload_frees_the_vbar_first_and_the_int8_copies_only_when_that_is_too_little(
+        comfy_root, quant, monkeypatch, vbar_holds):
+    """0.38.1's `partially_unload` (model_patcher.py at 08d0e510) asks the VBAR first and restores the loaded backups
+    only when the VBAR freed less than asked: where the streamed weights' slots cover the request, the INT8 copies
+    stay on the device and stay counted (the next step reuses them); where they do not, the copies are freed with
+    the backups and the VBAR's bytes and theirs are reported together."""
+    from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
+    from tests.support import comfy038
+
+    out, plan = _quantized(quant, build_tiny_model("sd15"))
+    comfy038.make_dynamic(out, monkeypatch)
+    gpu = torch.device("meta")
+    _emulated_dynamic_load(out, gpu)
+    copies = plan._int8_modules(out.model, list(find_candidates(out.model.diffusion_model)), gpu)
+    int8_bytes = sum(int8_module_bytes(layer) for layer in copies.values())
+    request = int8_bytes // 2
+    vbar = _VbarStandIn(request if vbar_holds == "enough" else request // 4)
+    freed = comfy038.partially_unload(out, memory_to_free=request, vbar=vbar)
+    assert vbar.asked == [request]
+    if vbar_holds == "enough":
+        assert freed == request and vbar.resident == 0
+        assert plan._modules and len(out.backup) == len(copies)  # the copies stay, still counted
+        assert out.model.model_loaded_weight_memory == int8_bytes
+    else:
+        assert freed == request // 4 + int8_bytes
+        assert not plan._modules and not out.backup and out.model.model_loaded_weight_memory == 0
+
+
 def test_dynamic_vram_prompts_keep_their_int8_copies_until_a_partial_unload(comfy_root, quant, monkeypatch):
     """0.38.1's `ModelPatcherDynamic.partially_load` -> `load` (comfy/model_patcher.py, stored copy of commit
     08d0e510f4e539a1db39072589817136ac6cfa7d; `comfy038.partially_load`) starts every prompt's load with the same

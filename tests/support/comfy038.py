@@ -382,10 +382,12 @@ def partially_load(patcher, device_to=CPU) -> None:
     dynamic_load(patcher, device_to)
 
 
-def partially_unload(patcher, memory_to_free: float = 0) -> int:
-    """comfy/model_patcher.py `ModelPatcherDynamic.partially_unload` (0.38.1) with no VBAR to free (the CPU
-    stands in for it): `restore_loaded_backups()` and its count reported as freed."""
-    freed = 0
+def partially_unload(patcher, memory_to_free: float = 0, vbar=None) -> int:
+    """comfy/model_patcher.py `ModelPatcherDynamic.partially_unload` (0.38.1, at 08d0e510): the model's VBAR frees
+    what it can first (`vbar.free_memory(memory_to_free)`, comfy-aimdo's; None: no VBAR, as on the CPU), and only
+    where that freed less than asked are the loaded backups restored, `restore_loaded_backups()`'s count added to
+    what is reported freed."""
+    freed = 0 if vbar is None else vbar.free_memory(memory_to_free)
     if freed < memory_to_free:
         freed += restore_loaded_backups(patcher)
     return freed
