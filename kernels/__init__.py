@@ -30,6 +30,7 @@ from .compiled import CompiledOrEager
 from .ops import (
     int8_conv2d,
     int8_linear,
+    int8_linear_on_rows,
     prepare_int8_conv2d,
     prepare_int8_linear,
     record_calls,
@@ -86,6 +87,7 @@ __all__ = [
     "forced_kernel_backend",
     "int8_conv2d",
     "int8_linear",
+    "int8_linear_on_rows",
     "linear_activation_granularity",
     "normalized_mse",
     "prepare_int8_conv2d",

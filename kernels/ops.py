@@ -268,6 +268,15 @@ _QUANTIZED_ROWS_BACKENDS = tuple(name for name, module in KERNEL_BACKEND_MODULES
                                  if hasattr(module, "linear_quantized"))
 
 
+def int8_linear_on_rows(q: torch.Tensor, row_scale: torch.Tensor, q_weight: torch.Tensor, w_scale: torch.Tensor,
+                        bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The INT8 Linear's GEMM alone, on rows already quantized per token (`quant.quantize_rows_symmetric`: int8
+    [M, K], float32 scale [M]) -> [M, N] in `dtype`: what runs of an INT8 Linear where torch.compile fuses its
+    activation quantizer into the op before it (`traces_linear_quantizer`), as the speed gate times it there. On
+    the backends with `linear_quantized` (cuda, triton)."""
+    return _linear_quantized_impl(q, row_scale, q_weight, w_scale, bias, dtype)
+
+
 def int8_conv2d(
     x: torch.Tensor,
     q_weight: torch.Tensor,

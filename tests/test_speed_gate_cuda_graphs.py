@@ -94,3 +94,57 @@ def test_calibration_behind_a_graph_replaying_compile_times_replays(pack, quant,
     sample(plain, "sd15")
     assert asked and not any(asked)  # calibrated again (not the replayed decision from disk), timing as launched
     assert not quant.int8_plan(plain).last_result.cuda_graph_timing
+
+
+@pytest.mark.parametrize(("backend", "fuses"), [("inductor", True), ("cudagraphs", False)])
+def test_compile_model_says_whether_its_graphs_fuse_the_linear_quantizer(pack, cm, monkeypatch, backend, fuses):
+    from comfyui_int8_accel.nodes.cuda_graph_replay import fuses_linear_quantizer
+
+    node = pack.NODE_CLASS_MAPPINGS["Int8AccelCompile"]
+    out = node.execute(_on_a_cuda_device(cm, monkeypatch, build_tiny_model("sd15")), backend, "reduce-overhead",
+                       "auto", False).result[0]
+    assert fuses_linear_quantizer(out.model_options.get("transformer_options")) is fuses
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["quantizer traced", "INT8_ACCEL_TRACED_QUANTIZER=0"])
+def test_behind_inductor_graphs_the_gate_times_a_linear_as_its_gemm_on_quantized_rows(pack, quant, cm, monkeypatch,
+                                                                                      traced):
+    """Where inductor's graphs fuse a Linear's activation quantizer into the op before it, the speed gate times the
+    Linear's INT8 side as what runs of it there, its GEMM on rows quantized ahead, not quantizer + GEMM; convs as
+    before. Said in the report, and keyed apart. Run with the `cuda` kernel backend forced (it splits the Linear on
+    CPU tensors as on a GPU); switched off by INT8_ACCEL_TRACED_QUANTIZER=0."""
+    from comfyui_int8_accel.kernels import force_kernel_backend
+    from comfyui_int8_accel.nodes.int8 import plan as plan_module
+    from comfyui_int8_accel.nodes.int8.report import summary_line
+
+    if not traced:
+        monkeypatch.setenv("INT8_ACCEL_TRACED_QUANTIZER", "0")
+    gemm_only: list[tuple[int, ...]] = []
+    real_call = plan_module.fused_quantizer_linear_call
+
+    def recording_call(layer, x):
+        gemm_only.append(tuple(x.shape))
+        return real_call(layer, x)
+
+    monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "1")
+    monkeypatch.setattr(plan_module, "fused_quantizer_linear_call", recording_call)
+    monkeypatch.setattr(plan_module, "cuda_graph_timing_for", lambda device, replays: replays)
+    compile_node = pack.NODE_CLASS_MAPPINGS["Int8AccelCompile"]
+    base = build_tiny_model("sd15")
+    compiled = compile_node.execute(_on_a_cuda_device(cm, monkeypatch, base), "inductor", "reduce-overhead", "auto",
+                                    False).result[0]
+    compiled.load_device = base.load_device
+    settings = quant.settings_from_widgets(conv_mse_threshold=1.0, linear_mse_threshold=1.0,
+                                           compute_density_threshold=0)
+    both = quant.apply_int8(compiled, settings)[0]
+    with force_kernel_backend("cuda"):
+        sample(both, "sd15")
+    result = quant.int8_plan(both).last_result
+    assert result.cuda_graph_timing and result.fused_quantizer_timing is traced
+    timed_linears = {layer.name for layer in result.layers if layer.kind == "linear" and layer.int8_ms is not None}
+    assert timed_linears
+    if traced:
+        assert gemm_only, "no Linear was timed as its GEMM"
+        assert "Linears as their GEMM" in summary_line(result, False)
+    else:
+        assert gemm_only == [] and "Linears as their GEMM" not in summary_line(result, False)

@@ -81,7 +81,9 @@ def compile_model(model, settings: CompileSettings, *, strategy: str | None = No
     if problem is not None:
         compiled.set_attachments(EAGER_ATTACHMENT, problem)
     if problem is None and settings.uses_cuda_graphs() and device.type == "cuda":
-        mark_cuda_graph_replay(compiled)  # INT8 calibration times its layers as graph replays then
+        # INT8 calibration times its layers as graph replays then, a Linear as its GEMM where inductor fuses the
+        # activation quantizer into the op before it
+        mark_cuda_graph_replay(compiled, fuses_linear_quantizer=settings.backend == "inductor")
     if chosen == "blocks":
         if problem is None:
             compiled.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY,

@@ -90,6 +90,9 @@ class CalibrationResult:
     conv_layout: str = ""  # the triton kernel backend's conv kernel ("nchw" / "nhwc"); "" for the others
     # the speed gate timed the layers as CUDA graph replays (Compile Model replays the model's calls from graphs)
     cuda_graph_timing: bool = False
+    # ... and the Linears as their GEMM on quantized rows (inductor fuses their activation quantizer into the op
+    # before them)
+    fused_quantizer_timing: bool = False
     model_guard: dict = field(default_factory=dict)  # when the whole-model guard acted: limit, error_before, rounds
 
     @property
@@ -125,6 +128,7 @@ class CalibrationResult:
                    created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0),
                    linear_gemm=data.get("linear_gemm", ""), conv_layout=data.get("conv_layout", ""),
                    cuda_graph_timing=data.get("cuda_graph_timing", False),
+                   fused_quantizer_timing=data.get("fused_quantizer_timing", False),
                    model_guard=data.get("model_guard", {}))
 
 
@@ -264,13 +268,16 @@ def cuda_graph_timing_for(device: torch.device, replays_cuda_graphs: bool) -> bo
 
 
 def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tensor,
-                    cuda_graph_timing: bool = False) -> str:
+                    cuda_graph_timing: bool = False, fused_quantizer_timing: bool = False) -> str:
     """Key of a decision: the weights and patches, the settings, the latent's size and dtype, and what runs the
-    INT8 layers (device, kernel backend, weight width), whether the speed gate decided and whether it timed CUDA
-    graph replays (`cuda_graph_timing_for`): a decision measured on one is not reused on another."""
+    INT8 layers (device, kernel backend, weight width), whether the speed gate decided, whether it timed CUDA
+    graph replays (`cuda_graph_timing_for`) and whether it timed Linears without their fused quantizer: a decision
+    measured on one is not reused on another."""
     parts = [CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
              x.device.type, kernel_backend_for(x.device), linear_gemm_for(x.device), conv_layout_for(x.device),
              weight_bits(x.device), speed_gate_enabled()]
     if cuda_graph_timing:
         parts.append("cuda-graph timing")
+    if fused_quantizer_timing:
+        parts.append("fused quantizer timing")
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]

@@ -35,8 +35,9 @@ from ...kernels import (
     weight_bits,
     weight_qmax,
 )
+from ...kernels.ops import traces_linear_quantizer
 from ..comfy_contracts import bypass_hook, follow_bypass, restorable_backup
-from ..cuda_graph_replay import replays_cuda_graphs
+from ..cuda_graph_replay import fuses_linear_quantizer, replays_cuda_graphs
 from ..page import show_image_on_node, show_on_node
 from ..wrapper_args import wrapper_arg
 from .cache import load_last_result, load_result, save_result
@@ -65,7 +66,14 @@ from .report import format_report, summary_line
 from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
 from .settings import QuantizeSettings
 from .shared_inputs import assign_shared_inputs
-from .speed import RemeasureBudget, Timing, call_signature, time_float_and_int8, timing_plan
+from .speed import (
+    RemeasureBudget,
+    Timing,
+    call_signature,
+    fused_quantizer_linear_call,
+    time_float_and_int8,
+    timing_plan,
+)
 
 log = logging.getLogger("int8_accel.int8")
 WRAPPER_KEY = "int8_accel_quantize"
@@ -257,15 +265,17 @@ class Int8Plan:
             self.copies_of(base_model).backup = restorable_backup(patcher)
         fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
         bypass = self._bypass_fingerprint(base_model)
-        graph_timing = cuda_graph_timing_for(
-            x.device, replays_cuda_graphs(wrapper_arg(args, kwargs, 5, "transformer_options", None)))
-        key = calibration_key(fingerprint + bypass, self.settings, x, graph_timing)
+        options = wrapper_arg(args, kwargs, 5, "transformer_options", None)
+        graph_timing = cuda_graph_timing_for(x.device, replays_cuda_graphs(options))
+        fused_quantizer = graph_timing and fuses_linear_quantizer(options) and traces_linear_quantizer(x.device)
+        key = calibration_key(fingerprint + bypass, self.settings, x, graph_timing, fused_quantizer)
         result = self._known_result(key, base_model, fingerprint)
         if result is None:
             with self._calibration_lock:  # MultiGPU: another device's thread may be calibrating this key now
                 result = self._known_result(key, base_model, fingerprint)
                 if result is None:
-                    return self._calibrate(executor, base_model, args, kwargs, key, fingerprint, graph_timing)
+                    return self._calibrate(executor, base_model, args, kwargs, key, fingerprint, graph_timing,
+                                           fused_quantizer)
         self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
         replacements = self._int8_modules(base_model, result.chosen, x.device, bypass)
         with swapped_modules(base_model.diffusion_model, replacements):
@@ -448,7 +458,8 @@ class Int8Plan:
                                 density=compute_density(m, k, n), error=None, source=core_layer_source(module),
                                 below_kernel_floor=below_floor)
 
-    def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str, graph_timing: bool = False):
+    def _calibrate(self, executor, base_model, args, kwargs, key: str, fingerprint: str, graph_timing: bool = False,
+                   fused_quantizer: bool = False):
         start = time.perf_counter()
         root = self._fresh_module_cache(base_model)
         copies = self.copies_of(base_model)
@@ -485,7 +496,10 @@ class Int8Plan:
                         return None
                     signature = call_signature(kind, module, x)
                     if signature not in timings:  # module.forward: calling the module would re-enter this hook
-                        timings[signature] = time_float_and_int8(lambda: module.forward(x), lambda: int8_copy[0](x),
+                        int8_call = lambda: int8_copy[0](x)  # noqa: E731
+                        if fused_quantizer and kind == "linear" and not int8_copy[0]._needs_float_path():
+                            int8_call = fused_quantizer_linear_call(int8_copy[0], x)
+                        timings[signature] = time_float_and_int8(lambda: module.forward(x), int8_call,
                                                                  x.device, budget=remeasure_budget,
                                                                  plan=timing_plan(x.device, graph_timing))
                     return timings[signature]
@@ -514,7 +528,8 @@ class Int8Plan:
                                    kernel_backend_fallback=kernel_backend_fallback(args[0].device),
                                    left_to_core=core_layers_left(root), weight_bits=weight_bits(args[0].device),
                                    linear_gemm=linear_gemm_for(args[0].device),
-                                   conv_layout=conv_layout_for(args[0].device), cuda_graph_timing=graph_timing)
+                                   conv_layout=conv_layout_for(args[0].device), cuda_graph_timing=graph_timing,
+                                   fused_quantizer_timing=fused_quantizer)
         chosen = set(result.chosen)
         copies.modules = {name: module for name, module in copies.modules.items() if name in chosen}
         self._uncount_dropped(base_model)

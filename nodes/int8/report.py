@@ -48,7 +48,9 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
     gemm = f" ({', '.join(kernels)})" if kernels else ""
     parts.append(f"{result.kernel_backend or 'unknown'} kernel backend{gemm}{bits}{passed_over}")
     if result.cuda_graph_timing:
-        parts.append("timed as CUDA graph replays (Compile Model replays this model's calls)")
+        parts.append("timed as CUDA graph replays (Compile Model replays this model's calls)"
+                     + (", Linears as their GEMM (inductor fuses their activation quantizer)"
+                        if result.fused_quantizer_timing else ""))
     parts.append("from the calibration cache" if from_cache else f"calibrated now ({result.seconds:.1f} s)")
     return " · ".join(parts)
 
@@ -143,9 +145,11 @@ def _replays_part(result: CalibrationResult, timed: list[LayerMeasurement]) -> s
     if not result.cuda_graph_timing:
         return ""
     launched = sum(1 for layer in timed if not layer.timing_replayed)
+    fused = (", each Linear's INT8 side as its GEMM on quantized rows, since inductor fuses its activation "
+             "quantizer into the op before it" if result.fused_quantizer_timing else "")
     return ("; timed as replays of CUDA graphs of their calls, as Compile Model replays this model's calls (no "
-            "launch from the host)" + (f", {launched} as launched (their calls could not be captured)" if launched
-                                       else ""))
+            "launch from the host)" + fused + (f", {launched} as launched (their calls could not be captured)"
+                                               if launched else ""))
 
 
 def _timing_conditions(timed: list[LayerMeasurement]) -> str:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels import int8_linear_on_rows
+from ...kernels.quant import quantize_rows_symmetric
 from ..comfy_contracts import patches_in_forward
 from .run_queue import RunQueueWait
 
@@ -235,6 +237,16 @@ class Timing:
     @property
     def int8_faster(self) -> bool:
         return self.int8_seconds < self.float_seconds
+
+
+def fused_quantizer_linear_call(layer: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    """An INT8 Linear `layer` on input `x` as it runs where torch.compile traces its activation quantizer and
+    inductor fuses it into the op that produces `x` (a LayerNorm, the GEGLU gate, attention's output reshape): its
+    GEMM on rows quantized once here. What the fusion adds to that kernel (the rows' amax and the int8 writes, in
+    a pass over `x` it makes anyway) is left out."""
+    q, row_scale = quantize_rows_symmetric(x.reshape(-1, x.shape[-1]))
+    weight, scale, bias = layer.weight, layer.weight_scale, layer.bias
+    return lambda: int8_linear_on_rows(q, row_scale, weight, scale, bias, x.dtype)
 
 
 def call_signature(kind: str, module: torch.nn.Module, x: torch.Tensor) -> tuple:
