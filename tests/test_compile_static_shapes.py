@@ -8,6 +8,7 @@ sizes (the control). A recording backend keeps dynamo's graphs and runs them eag
 from __future__ import annotations
 
 import importlib
+import logging
 import types
 
 import pytest
@@ -32,7 +33,8 @@ class ShapeRecordingBackend:
             "symbolic_inputs": sum(any(not isinstance(size, int) for size in value.shape)
                                    for value in placeholders if isinstance(value, torch.Tensor)),
             "sym_size_nodes": sum("sym_size" in str(node.target) for node in gm.graph.nodes),
-            "symbols": 0 if shape_env is None else len(shape_env.var_to_val),
+            "symbols": 0 if shape_env is None else len(getattr(shape_env, "backed_var_to_val", None)
+                                                       or shape_env.var_to_val),
             "shape_guards": 0 if shape_env is None else len(shape_env.guards),
             "tensor_inputs": sum(isinstance(value, torch.Tensor) for value in placeholders),
         })
@@ -86,24 +88,52 @@ def test_a_full_width_sdxl_transformer_block_compiles_with_static_shapes_at_one_
         assert graph["symbols"] > 0 and graph["symbolic_inputs"] > 0, graph
 
 
-def test_auto_compiles_once_more_at_the_second_resolution_and_never_after(pack, monkeypatch):
+def test_auto_compiles_once_more_at_the_second_resolution_and_never_after(pack, monkeypatch, caplog):
     """Through Compile Model on the tiny SD1.5: the first resolution compiles static graphs, the second compiles
-    the blocks once more with dynamic shapes (the log says so), a third and the first again compile nothing."""
+    the blocks once more with dynamic shapes (the log says so), a third and the first again compile nothing. Each
+    model call that compiled logs, per block region, the graphs and seconds it compiled, and the node's page
+    status says the same per sampling run."""
+    from comfy.ldm.modules.attention import BasicTransformerBlock
+    from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock
+
     from harness.tiny_models import build_tiny_model, sample
     from tests.support.counting_backend import COUNTING, UNET_WIDTH, compiled_graphs, register_counting_backend
 
     register_counting_backend()
     cm = importlib.import_module("comfyui_int8_accel.nodes.compile")
-    monkeypatch.setattr(importlib.import_module("comfyui_int8_accel.nodes.compile.blocks"), "_block_regions", {})
+    blocks = importlib.import_module("comfyui_int8_accel.nodes.compile.blocks")
+    page_status = importlib.import_module("comfyui_int8_accel.nodes.compile.page_status")
+    monkeypatch.setattr(blocks, "_block_regions", {})
+    shown: list[str] = []
+    monkeypatch.setattr(page_status, "show_on_node", lambda text, node_id: shown.append(text))
     torch._dynamo.reset()
     with torch.inference_mode():
         model = build_tiny_model("sd15", seed=7, unet_config=UNET_WIDTH)
-    compiled = cm.compile_model(model, cm.CompileSettings(backend=COUNTING), strategy="blocks")
-    counts = []
+    settings = cm.CompileSettings(backend=COUNTING)
+    compiled = cm.compile_model(model, settings, strategy="blocks")
+    page_status.show_runs_on_node(compiled, "7")
+    counts, said, summaries = [], [], []
     for height, width in ((64, 64), (64, 64), (96, 64), (128, 96), (64, 64)):
         before = len(compiled_graphs)
-        sample(compiled, "sd15", steps=1, height=height, width=width)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="int8_accel.compile"):
+            sample(compiled, "sd15", steps=1, height=height, width=width)
         counts.append(len(compiled_graphs) - before)
+        said.append([record.getMessage() for record in caplog.records])
+        summaries.append(shown[-1])  # what the node says after the run
     assert counts[0] > 0 and counts[1] == 0, counts  # static graphs, reused at the same size
     assert counts[2] > 0, counts  # the second size: the dynamic graphs
     assert counts[3:] == [0, 0], counts
+
+    static = [blocks.block_region(cls, settings.for_latent_sizes(1)) for cls in (ResBlock, BasicTransformerBlock)]
+    assert sum(region.graphs_compiled for region in static) == counts[0]  # one compile per graph: no graph break
+    assert all(region.compile_seconds > 0 for region in static)
+    for run, shapes in ((0, "static"), (2, "dynamic")):
+        calls = [line for line in said[run] if line.startswith("int8-accel compile: this model call compiled ")]
+        assert calls and all(f"blocks ({shapes} shapes): " in line and " s in all)" in line for line in calls)
+        assert {name for line in calls for name in ("ResBlock", "BasicTransformerBlock")
+                if f"{name} blocks ({shapes} shapes): " in line} == {"ResBlock", "BasicTransformerBlock"}
+        assert summaries[run].startswith("compiled ") and f"ResBlock blocks ({shapes} shapes): " in summaries[run]
+    assert any("a second latent size" in line for line in said[2])
+    assert not any("compiled" in line for run in (1, 3, 4) for line in said[run])
+    assert summaries[1].startswith("nothing to compile"), summaries[1]

@@ -34,7 +34,7 @@ import torch
 from ..comfy_contracts import has_weight_patches, uses_vbar_cast
 from .attention import only_own_override
 from .compile_events import tell_block_run
-from .regions import CompiledRegion, mark_cuda_graph_step
+from .regions import CompiledRegion, compile_totals, mark_cuda_graph_step
 from .settings import BLOCK_RECOMPILE_LIMIT, CompileSettings
 from .swap import swapped_forwards
 
@@ -272,8 +272,21 @@ def make_blocks_wrapper(settings: CompileSettings) -> Callable:
                              [list(seen) for seen in latent_sizes if seen != size])
         chosen = settings.for_latent_sizes(len(latent_sizes))
         plan = plan_block_forwards(executor.class_obj.diffusion_model, chosen)
+        regions = {block_region(type(block), chosen) for block, _ in plan}
+        before = {region: (region.graphs_compiled, region.compile_seconds) for region in regions}
         mark_cuda_graph_step(settings)
         with swapped_forwards(plan), weights_without_grad([block for block, _ in plan]):
-            return executor(*args, **kwargs)
+            output = executor(*args, **kwargs)
+        _log_compiles(before)
+        return output
 
     return apply_model_wrapper
+
+
+def _log_compiles(before: dict[CompiledRegion, tuple[int, float]]) -> None:
+    """One log line for a model call that compiled: per block region, the graphs and seconds it compiled."""
+    compiled = {region.label: (region.graphs_compiled - graphs, region.compile_seconds - seconds)
+                for region, (graphs, seconds) in before.items() if region.graphs_compiled > graphs}
+    if compiled:
+        log.info("int8-accel compile: this model call compiled %s (%.1f s in all)", compile_totals(compiled),
+                 sum(seconds for _, seconds in compiled.values()))

@@ -18,12 +18,13 @@ class Int8AccelCompile(io.ComfyNode):
                 "Speeds up sampling with torch.compile. On a GPU it compiles the diffusion model's repeated "
                 "blocks (UNet, Flux, SD3 and other DiTs); on the CPU the pieces measured faster there "
                 "(prepacked conv/linear weights, fused attention, the GEGLU gate). Compiles on the first run; "
-                "LoRA and strength changes never recompile, nor do new resolutions with dynamic auto/true; falls "
-                "back to eager with a warning if the compile backend or compiler is missing. Under ComfyUI's dynamic VRAM "
-                "(the default on NVIDIA), which streams weights layer by layer, it compiles a copy ComfyUI loads "
-                "without streaming, as ComfyUI's TorchCompileModel does. INT8_ACCEL_COMPILE_STRATEGY=blocks|cpu-pieces "
-                "overrides the choice. The node says when it is compiling and, after each run, how long it took, or "
-                "why it runs eagerly."),
+                "LoRA and strength changes never recompile; a new resolution recompiles once at most (dynamic "
+                "auto: at the second resolution) or never (true); falls back to eager with a warning if the "
+                "compile backend or compiler is missing. Under ComfyUI's dynamic VRAM (the default on NVIDIA), "
+                "which streams weights layer by layer, it compiles a copy ComfyUI loads without streaming, as "
+                "ComfyUI's TorchCompileModel does. INT8_ACCEL_COMPILE_STRATEGY=blocks|cpu-pieces overrides the "
+                "choice. The node says when it is compiling and, after each run, how long it took (compiling: "
+                "graphs and seconds per compiled region, also in the log), or why it runs eagerly."),
             inputs=[
                 io.Model.Input("model", tooltip="The model to compile (it is cloned, never changed)."),
                 io.Combo.Input("backend", options=available_compile_backends(), default="inductor", tooltip=(
@@ -36,9 +37,10 @@ class Int8AccelCompile(io.ComfyNode):
                     "other backends.")),
                 io.Combo.Input("dynamic", options=DYNAMIC_CHOICES, default="auto", tooltip=(
                     "Dynamic shapes. auto: static shapes at the first resolution (the fastest compile and "
-                    "code), then once more with dynamic shapes at the second, which every later resolution "
-                    "reuses; true: dynamic shapes from the start; false: static shapes, each new resolution "
-                    "recompiles.")),
+                    "code; the block shapes of one model call each get a graph), then once more with dynamic "
+                    "shapes at the second, which every later resolution reuses; true: dynamic shapes from the "
+                    "start; false: static shapes, each new resolution recompiles. On the CPU's default strategy "
+                    "(cpu-pieces) auto is dynamic from the start.")),
                 io.Boolean.Input("fullgraph", default=False, tooltip=(
                     "Fail a compiled region on any graph break instead of splitting it (a failure still falls "
                     "back to eager with a warning).")),

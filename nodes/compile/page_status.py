@@ -1,6 +1,6 @@
 """What Compile Model is doing, shown on its node in the page: that it is compiling (from the first graph a
-sampling run compiles), then how long that run took, how much of it was compiling and how many block calls ran
-eagerly and why; or, where it compiles nothing of the model (`eager_reason`), that it runs eagerly and why."""
+sampling run compiles), then how long that run took, how much of it was compiling (per compiled region: its graphs
+and seconds) and how many block calls ran eagerly and why; or, where it compiles nothing of the model (`eager_reason`), that it runs eagerly and why."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from comfy.patcher_extension import WrappersMP
 from ..page import show_on_node
 from . import eager_reason
 from .compile_events import add_block_listener, add_compile_listener
+from .regions import compile_totals, compiling_region
 
 PAGE_KEY = "int8_accel_compile_page"
 _active = threading.local()  # the sampling runs being watched in this thread, innermost last
@@ -23,7 +24,9 @@ class _Run:
         self.node_id = node_id
         self.compiles = 0
         self.compile_seconds = 0.0
-        self.compiling: set[object] = set()  # ids of the compiles started during this run and not ended yet
+        # the compiles started during this run and not ended yet: id -> the region compiling (None: other code)
+        self.compiling: dict[object, str | None] = {}
+        self.by_region: dict[str, tuple[int, float]] = {}  # region label -> (graphs, seconds) compiled this run
         self.block_calls = 0
         self.eager_blocks: Counter = Counter()  # block calls that ran eagerly, by reason
 
@@ -36,7 +39,8 @@ def _runs() -> list[_Run]:
 
 def _on_compile_start(compile_id: object) -> None:
     for run in _runs():
-        run.compiling.add(compile_id)
+        region = compiling_region()
+        run.compiling[compile_id] = None if region is None else region.label
         if run.compiles == 0 and len(run.compiling) == 1:
             show_on_node("compiling (the first run at these settings; later runs reuse the compiled graphs) ...",
                          run.node_id)
@@ -45,9 +49,12 @@ def _on_compile_start(compile_id: object) -> None:
 def _on_compile_end(compile_id: object, seconds: float) -> None:
     for run in _runs():
         if compile_id in run.compiling:
-            run.compiling.discard(compile_id)
+            label = run.compiling.pop(compile_id)
             run.compiles += 1
             run.compile_seconds += seconds
+            if label is not None:
+                graphs, spent = run.by_region.get(label, (0, 0.0))
+                run.by_region[label] = (graphs + 1, spent + seconds)
 
 
 def _on_block_run(eager_reason: str | None) -> None:
@@ -58,12 +65,14 @@ def _on_block_run(eager_reason: str | None) -> None:
 
 
 def run_summary(compiles: int, compile_seconds: float, seconds: float, eager: str | None = None,
-                block_calls: int = 0, eager_blocks: Counter | None = None) -> str:
+                block_calls: int = 0, eager_blocks: Counter | None = None,
+                by_region: dict[str, tuple[int, float]] | None = None) -> str:
     if eager is not None:
         return f"ran eagerly, nothing compiled: {eager}; sampling took {seconds:.1f} s"
     if compiles:
-        text = (f"compiled {compiles} graph{'s' if compiles > 1 else ''} in {compile_seconds:.1f} s; this first "
-                f"run took {seconds:.1f} s (later runs at these settings reuse the graphs)")
+        regions = f" ({compile_totals(by_region)})" if by_region else ""
+        text = (f"compiled {compiles} graph{'s' if compiles > 1 else ''} in {compile_seconds:.1f} s{regions}; this "
+                f"first run took {seconds:.1f} s (later runs at these settings reuse the graphs)")
     else:
         text = f"nothing to compile (compiled graphs reused); sampling took {seconds:.1f} s"
     if eager_blocks:
@@ -92,7 +101,7 @@ def show_runs_on_node(model, node_id: str | None) -> None:
         finally:
             _runs().remove(run)
             show_on_node(run_summary(run.compiles, run.compile_seconds, time.perf_counter() - start, eager,
-                                     run.block_calls, run.eager_blocks), node_id)
+                                     run.block_calls, run.eager_blocks, run.by_region), node_id)
 
     model.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, PAGE_KEY)
     model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, PAGE_KEY, compile_page_status)
