@@ -117,23 +117,25 @@ class Variant:
 # Peers, each on a model of its own built like the reference (same seed, same weights) and compiled the way a
 # ComfyUI user compiles it, with core's TorchCompileModel (the whole diffusion model, inductor, core's defaults).
 CORE_COMPILE, TORCHAO_INT8, TORCHAO_FP8 = "core TorchCompileModel", "torchao int8", "torchao fp8"
+TORCHAO = (TORCHAO_INT8, TORCHAO_FP8)
 PEER_COMPILE_BACKEND = "inductor"  # TorchCompileModel's default; the dry run traces with dynamo's eager backend
 DRY_PEER_COMPILE_BACKEND = "eager"  # (inductor on a whole tiny model takes minutes on 2 CPU cores)
 # Compile Model at this bench's one resolution: static shapes (the node's "auto" is static at one resolution too).
 BENCH_COMPILE_DYNAMIC = "false"
 
-# Most wanted first: a run cut at its time limit keeps these. Compiled like for like first (Compile Model on plain
-# bf16 and with INT8, CUDA graphs first: INT8 pays on SDXL's small layers only without launches), the peers in the
-# same process, the stack, then the eager rows.
+# Most wanted first: a run cut at its time limit keeps these. Compiled like for like first: Compile Model on plain
+# bf16 and with INT8 in the default mode, then the peers in the same process (compiled in the default mode too), then
+# Compile Model replaying CUDA graphs (INT8 pays on SDXL's small layers only without launches), the stack, then the
+# eager rows.
 VARIANTS = (
     Variant("plain bf16"),
-    Variant("plain bf16 + Compile Model (reduce-overhead)", compile=True, compile_mode="reduce-overhead"),
-    Variant("INT8 + Compile Model (reduce-overhead)", int8=True, compile=True, compile_mode="reduce-overhead"),
     Variant("plain bf16 + Compile Model", compile=True),
     Variant("INT8 + Compile Model", int8=True, compile=True),
     Variant("torchao int8 dynamic + core TorchCompileModel", peer=TORCHAO_INT8),
     Variant("torchao fp8 per-row + core TorchCompileModel", peer=TORCHAO_FP8),
     Variant("plain bf16 + core TorchCompileModel", peer=CORE_COMPILE),
+    Variant("plain bf16 + Compile Model (reduce-overhead)", compile=True, compile_mode="reduce-overhead"),
+    Variant("INT8 + Compile Model (reduce-overhead)", int8=True, compile=True, compile_mode="reduce-overhead"),
     # the stack with CUDA graphs: its blocks' graphs are those of "INT8 + Compile Model (reduce-overhead)", so
     # after that row it records graphs for DeepCache's shallow steps and compiles nothing new
     Variant("INT8 + DeepCache + Compile Model (reduce-overhead)", int8=True, deepcache=True, compile=True,
@@ -228,8 +230,12 @@ def _peer_model(family: Family, variant: Variant, device: torch.device, dry: boo
     run (fp8 below compute capability 8.9), raises: the row says why."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
+    # dynamo's caches emptied, as in a process of its own: where the whole model does not trace in one graph,
+    # ComfyUI's inner functions are compiled one by one, and the entries earlier rows left on them count against
+    # dynamo's recompile limit (8), past which a function runs eagerly (a dry run's core row did, after torchao's)
+    torch.compiler.reset()
     model = _build(family, variant.dtype, device, dry)
-    if variant.peer in (TORCHAO_INT8, TORCHAO_FP8):
+    if variant.peer in TORCHAO:
         import torchao.quantization as torchao_quantization
 
         if variant.peer == TORCHAO_INT8:
@@ -241,6 +247,13 @@ def _peer_model(family: Family, variant: Variant, device: torch.device, dry: boo
             torchao_quantization.quantize_(model.model.diffusion_model, config)
     set_torch_compile_wrapper(model=model, backend=DRY_PEER_COMPILE_BACKEND if dry else PEER_COMPILE_BACKEND)
     return model
+
+
+def _torchao_layers(model) -> str:
+    """How many of the diffusion model's Linears hold torchao's quantized weights."""
+    linears = [m for m in model.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear)]
+    quantized = sum(type(m.weight).__module__.startswith("torchao") for m in linears)
+    return f"torchao: {quantized}/{len(linears)} Linears quantized"
 
 
 def _apply(base, variant: Variant):
@@ -365,7 +378,7 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
         table.row([variant.name, f"{run.step_seconds:.4f}", f"{reference.step_seconds / run.step_seconds:.2f}x",
                    f"{run.peak_gib:.1f}", one_off or "-", str(run.int8_calls),
                    "reference" if run is reference else _fmt_psnr(psnr(run.latent, reference.latent)),
-                   _int8_layers(model) if variant.int8 else "-"])
+                   _int8_layers(model) if variant.int8 else _torchao_layers(model) if variant.peer in TORCHAO else "-"])
         del model
         gc.collect()
         if device.type == "cuda":
@@ -424,7 +437,8 @@ def run_models(families: list[str], out: Path, dry: bool, variant_names: list[st
                         f"- s/step: the median of {TIMED_RUNS} timed runs' sampling seconds over their steps (after the one-off "
                         "run); "
                         "vs plain bf16: its s/step over this row's.",
-                        "- INT8 calls: INT8 kernel calls during the timed run (0 means no layer ran INT8).",
+                        "- INT8 calls: the pack's INT8 kernel calls during the timed run (0 means none of its layers ran INT8; "
+                        "torchao's rows say in the last column how many Linears it quantized).",
                         "- Random weights: PSNR shows how far a variant strays on these networks, not the "
                         "quality a trained model keeps."])  # fmt: skip
     chosen = VARIANTS if not variant_names else chosen_variants(variant_names)

@@ -115,4 +115,26 @@ def test_the_peers_run_beside_the_reference_in_the_dry_run_or_say_why_not(pack, 
     assert fp8_row[0].startswith("failed: AssertionError") and "8.9" in fp8_row[0], fp8_row
     assert core_row[5] == "identical", core_row  # the same weights, compiled: the reference's latent
     assert int8_row[5] not in ("identical", "reference") and float(int8_row[5]) > 20, int8_row
+    quantized, linears = int8_row[6].removeprefix("torchao: ").split(" ")[0].split("/")
+    assert int(quantized) == int(linears) > 0, int8_row  # every Linear of the diffusion model, none left float
+    assert core_row[6].rstrip(" |") == "-", core_row
     assert float(rows["plain bf16"][0]) > 0
+
+
+def test_the_compiled_comparisons_and_the_peers_come_before_the_stack_and_the_eager_rows(pack, monkeypatch):
+    """A stage cut at its time limit keeps its first rows: after the reference, Compile Model on plain bf16 and with
+    INT8 (static shapes at the bench's one resolution), then the peers, then the stack, then every eager row."""
+    import importlib
+
+    from harness.comfy_host import REPO_ROOT
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
+    gpu_models = importlib.import_module("gpu_models")
+    names = [v.name for v in gpu_models.VARIANTS]
+    assert names[:6] == ["plain bf16", "plain bf16 + Compile Model", "INT8 + Compile Model",
+                         "torchao int8 dynamic + core TorchCompileModel", "torchao fp8 per-row + core TorchCompileModel",
+                         "plain bf16 + core TorchCompileModel"]
+    kinds = ["compiled" if v.compile or v.peer else "eager" for v in gpu_models.VARIANTS[1:]]
+    stack = next(i for i, v in enumerate(gpu_models.VARIANTS[1:]) if v.deepcache and v.compile)
+    assert "eager" not in kinds[:stack], kinds
+    assert gpu_models.BENCH_COMPILE_DYNAMIC == "false"
