@@ -192,16 +192,16 @@ BENCH=("$PY" bench/bench_gpu.py)
 # model, so a slow SDXL cannot take the Flux model's time; the rows each writes stay in its file when it is cut.
 # The defaults fit one 10-minute device call (about 15 s of setup, 245 + 225 + 40 s of stages, a cut stage's up to
 # 15 s of grace) and leave the test stages for a later call: their limits default to 0.
-run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-245}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
+run_stage "bench: SDXL" "${GPU_RUN_SDXL_S:-230}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families sdxl \
   ${GPU_RUN_SDXL_VARIANTS:+--variants "$GPU_RUN_SDXL_VARIANTS"} --out "$OUT/gpu_models_sdxl.md"
-run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-225}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
+run_stage "bench: Flux" "${GPU_RUN_FLUX_S:-210}" "${GPU_ENV[@]}" "${BENCH[@]}" --part models --families flux \
   ${GPU_RUN_FLUX_VARIANTS:+--variants "$GPU_RUN_FLUX_VARIANTS"} --out "$OUT/gpu_models_flux.md"
 run_stage "bench: INT8 breakdown" "${GPU_RUN_BREAKDOWN_S:-40}" "${GPU_ENV[@]}" "$PY" bench/gpu_int8_breakdown.py \
   --out "$OUT/gpu_int8_breakdown.md"
 # The tests when their limits are raised (GPU_RUN_KERNELS_S=60 runs the kernel tests of what no GPU has run yet, the
 # default -k): the 89 kernel tests took about 95 s on the first H200 run, the 11 ComfyUI/compile tests about 25 s
 # each of compiling (5 done in 137 s on 4 workers), the speed-gate test 9 s.
-run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-0}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
+run_stage "kernel tests" "${GPU_RUN_KERNELS_S:-35}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 60 \
   -k "(not ($COMFY_TESTS or $SPEED_TESTS)) and (${GPU_RUN_KERNELS_K:-row_quantizer or fused_linear_gemm or never_sync})" \
   --junitxml "$WORK/junit-kernels.xml"
 run_stage "ComfyUI + compile tests" "${GPU_RUN_COMFY_S:-0}" "${GPU_ENV[@]}" "${PYTEST[@]}" --timeout 150 \
