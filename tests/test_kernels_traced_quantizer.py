@@ -194,7 +194,9 @@ def _generated_kernels(fn, x) -> list[str]:
 def test_inductor_fuses_the_traced_quantizer_into_the_layer_norm_before_it():
     """LayerNorm -> INT8 Linear compiled by inductor: one generated kernel normalizes each row, takes its amax,
     scale and int8 values (the rows are read once and the float LayerNorm output never written), and the GEMM is
-    the one INT8 op; with a graph break between the two, the LayerNorm and the quantizer are two kernels."""
+    the one INT8 op; with a graph break between the two, the LayerNorm and the quantizer are two kernels (the
+    LayerNorm's, then the quantizer's: amax, scale, round, clamp and cast in one). Its output is bit-equal to the
+    eager INT8 Linear's on inductor's LayerNorm output."""
     if not _dynamo_reads_the_forced_backend():
         pytest.skip("this PyTorch's dynamo keeps the Linear whole under a forced backend")
     q, s, b = _layer(seed=5)
@@ -218,10 +220,14 @@ def test_inductor_fuses_the_traced_quantizer_into_the_layer_norm_before_it():
     assert all(op in fused[0] for op in ("native_layer_norm", "amax", "floor", "linear_quantized")), fused
     separate = _generated_kernels(apart, x)
     assert len(separate) == 2 and "amax" not in separate[0] and "amax" in separate[1], separate
+    torch._dynamo.reset()
     with force_kernel_backend("cuda"), torch.no_grad(), record_calls() as calls:
         compiled = torch.compile(together, backend="inductor")(x)
         eager = together(x)
-    assert calls == {("linear", "cuda", "int8"): 2}
-    # inductor's LayerNorm rounds a little differently from eager's (as in the test above), so a few rows may
-    # round one value to the neighbouring integer: close, not bit-equal
+        # the eager INT8 Linear on inductor's own LayerNorm output: the fused quantizer computes exactly that
+        on_inductors_norm = int8_linear(torch.compile(normed, backend="inductor")(x), q, s, b)
+    assert calls == {("linear", "cuda", "int8"): 3}
+    assert torch.equal(compiled, on_inductors_norm)
+    # against eager's LayerNorm: inductor's rounds a little differently from ATen's (as in the test above), which
+    # moves a row's amax and scale, or rarely one value to the neighbouring integer: close, not bit-equal
     assert normalized_mse(compiled, eager) < 1e-6
