@@ -33,8 +33,9 @@ class ShapeRecordingBackend:
             "symbolic_inputs": sum(any(not isinstance(size, int) for size in value.shape)
                                    for value in placeholders if isinstance(value, torch.Tensor)),
             "sym_size_nodes": sum("sym_size" in str(node.target) for node in gm.graph.nodes),
-            "symbols": 0 if shape_env is None else len(getattr(shape_env, "backed_var_to_val", None)
-                                                       or shape_env.var_to_val),
+            "symbols": 0 if shape_env is None else len(shape_env.backed_var_to_val
+                                                       if hasattr(shape_env, "backed_var_to_val")
+                                                       else shape_env.var_to_val),
             "shape_guards": 0 if shape_env is None else len(shape_env.guards),
             "tensor_inputs": sum(isinstance(value, torch.Tensor) for value in placeholders),
         })

@@ -13,8 +13,11 @@ each depth was a graph of its own, compiled again, and the larger the longer (SD
 over 3 minutes on an H200); one transformer block's graph serves every depth.
 
 Recompiles: a region's graphs serve every block of its class (weights are graph inputs, and with dynamic
-shapes so are their sizes), so LoRA, strength changes and new resolutions reuse them. Two things would
-otherwise make dynamo guard per block or per weight and recompile:
+shapes so are their sizes), so LoRA and strength changes reuse them. Shapes: with dynamic "auto" the regions
+compile static shapes while the model has run at one latent size (one graph per block shape, no symbolic size)
+and a second region per block class with dynamic shapes from its second latent size on, which every later size
+reuses (`make_blocks_wrapper`). Two things would otherwise make dynamo guard per block or per weight and
+recompile:
 * a UNet transformer block reads its position from transformer_options (only to look up attention patches), so
   its region gets the options without the position when nothing reads it, and runs eagerly when something does;
 * loaded weights have requires_grad=True while ComfyUI installs LoRA-patched ones with False, so the weights of
@@ -272,7 +275,7 @@ def make_blocks_wrapper(settings: CompileSettings) -> Callable:
                              [list(seen) for seen in latent_sizes if seen != size])
         chosen = settings.for_latent_sizes(len(latent_sizes))
         plan = plan_block_forwards(executor.class_obj.diffusion_model, chosen)
-        regions = {block_region(type(block), chosen) for block, _ in plan}
+        regions = [block_region(cls, chosen) for cls in {type(block) for block, _ in plan}]
         before = {region: (region.graphs_compiled, region.compile_seconds) for region in regions}
         mark_cuda_graph_step(settings)
         with swapped_forwards(plan), weights_without_grad([block for block, _ in plan]):
