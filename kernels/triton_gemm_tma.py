@@ -77,6 +77,8 @@ if AVAILABLE and TensorDescriptor is not None:
     import triton
     import triton.language as tl
 
+    from .triton_kernels import _gemm_rescale_epilogue
+
     # (tile order, warps, pipeline depth): 3 or 4 int8 tiles of A and W in flight fit Hopper's shared memory at
     # 128x256x128 (48 KiB a stage).
     _CANDIDATES = [({"GROUP_M": 8}, 8, 3), ({"GROUP_M": 8}, 8, 4), ({"GROUP_M": 16}, 8, 4)]
@@ -106,14 +108,8 @@ if AVAILABLE and TensorDescriptor is not None:
                 acc += tl.dot(a, w.T, out_dtype=tl.int32)
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            row_scale = tl.load(row_scale_ptr + rows, mask=rows < M, other=0.0)
-            col_scale = tl.load(col_scale_ptr + cols, mask=cols < N, other=0.0)
-            y = acc.to(tl.float32) * row_scale[:, None] * col_scale[None, :]
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            mask = (rows < M)[:, None] & (cols < N)[None, :]
-            out_rows = rows.to(tl.int64) * stride_om  # M * N passes 2**31 for long token sequences
-            tl.store(out_ptr + out_rows[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+            _gemm_rescale_epilogue(acc, rows, cols, M, N, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, stride_om,
+                                   HAS_BIAS)  # fmt: skip
 
 
 def gemm_rescale_tma(a: torch.Tensor, q_weight: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,

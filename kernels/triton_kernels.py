@@ -242,13 +242,22 @@ if AVAILABLE:
             acc += tl.dot(a, w, out_dtype=tl.int32)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        _gemm_rescale_epilogue(acc, rows, cols, M, N, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, stride_om,
+                               HAS_BIAS)  # fmt: skip
+
+    @triton.jit
+    def _gemm_rescale_epilogue(acc, rows, cols, M, N, row_scale_ptr, col_scale_ptr, bias_ptr, out_ptr, stride_om,
+                               HAS_BIAS: tl.constexpr):  # fmt: skip
+        # The int32 tile of rows x cols rescaled with the same float32 operations in the same order as
+        # _rescale_kernel, the bias added, stored in the output's dtype (the fused GEMMs' epilogue).
         row_scale = tl.load(row_scale_ptr + rows, mask=rows < M, other=0.0)
         col_scale = tl.load(col_scale_ptr + cols, mask=cols < N, other=0.0)
         y = acc.to(tl.float32) * row_scale[:, None] * col_scale[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         mask = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(out_ptr + (rows64 * stride_om)[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        out_rows = rows.to(tl.int64) * stride_om  # M * N passes 2**31 for long token sequences
+        tl.store(out_ptr + out_rows[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _conv_tile(B, H_out, W_out, C_out_g, stride_h, stride_w, pad_h, pad_w, BLOCK_M: tl.constexpr,
