@@ -103,25 +103,33 @@ def test_lumina_post_block_hooks_run_only_on_the_blocks_that_run(deepcache, lumi
         assert recorder.calls == [[]] * 6  # 0.3.75's own forward runs no post-block hook
         assert torch.equal(sample(deepcache.apply_deepcache(hooked, 1, 1), "lumina2", steps=6), control)
         use_038()
-        recorder.calls.clear()
-        plain = sample(hooked, "lumina2", steps=6)
-        assert recorder.calls == [list(range(layers))] * 6
-        assert rel(plain, control) > 1e-3  # the hooks change the output
-        for mode in ("reuse", "forecast"):
-            assert torch.equal(sample(deepcache.apply_deepcache(hooked, 1, 1, mode=mode), "lumina2", steps=6), plain)
-            recorder.calls.clear()
-            sample(deepcache.apply_deepcache(hooked, 3, 1, mode=mode), "lumina2", steps=6)
-            # cached steps: the first and last layer, and the middle segment's last one standing for the segment
-            assert recorder.calls == [list(range(layers)) if step % 3 == 0 else [0, layers - 2, layers - 1]
-                                      for step in range(6)], mode
-        # held sigmas: a cached step sees the full step's input and must give its result; a hook of the segment's
-        # last layer counted in the residual and run again, or one of a skipped layer writing into the
-        # passed-through tokens, would be far off
-        sigmas = held_sigmas(model)
-        held = sample(hooked, "lumina2", sigmas=sigmas, batch=2)
-        assert rel(sample(deepcache.apply_deepcache(hooked, 3, 1), "lumina2", sigmas=sigmas, batch=2), held) < 2e-6
+        _hooks_run_only_on_the_blocks_that_run(deepcache, model, hooked, recorder, "lumina2", layers, control)
     finally:
         handle.remove()
+
+
+def _hooks_run_only_on_the_blocks_that_run(deepcache, model, hooked, recorder, kind: str, blocks: int,
+                                           control: torch.Tensor) -> None:
+    """With a 0.38 forward that runs post-block hooks after every block swapped in: the hooks run after every
+    block and change the output; DeepCache at interval 1 is the model alone bit for bit; at interval 3 a cached
+    step runs the hooks of the blocks that run only (the first and last block, and the middle segment's last one
+    standing for the segment), in reuse and forecast mode; held sigmas give the full step's result."""
+    recorder.calls.clear()
+    plain = sample(hooked, kind, steps=6)
+    assert recorder.calls == [list(range(blocks))] * 6
+    assert rel(plain, control) > 1e-3  # the hooks change the output
+    for mode in ("reuse", "forecast"):
+        assert torch.equal(sample(deepcache.apply_deepcache(hooked, 1, 1, mode=mode), kind, steps=6), plain)
+        recorder.calls.clear()
+        sample(deepcache.apply_deepcache(hooked, 3, 1, mode=mode), kind, steps=6)
+        assert recorder.calls == [list(range(blocks)) if step % 3 == 0 else [0, blocks - 2, blocks - 1]
+                                  for step in range(6)], mode
+    # held sigmas: a cached step sees the full step's input and must give its result; a hook of the segment's last
+    # block counted in the residual and run again, or one of a skipped block writing into the passed-through
+    # tokens, would be far off
+    sigmas = held_sigmas(model)
+    held = sample(hooked, kind, sigmas=sigmas, batch=2)
+    assert rel(sample(deepcache.apply_deepcache(hooked, 3, 1), kind, sigmas=sigmas, batch=2), held) < 2e-6
 
 
 # --- Wan: 0.38.1's post-block hooks -----------------------------------------------------------------------
@@ -178,19 +186,7 @@ def test_wan_post_block_hooks_run_only_on_the_blocks_that_run(deepcache, monkeyp
         control = sample(hooked, "wan21", steps=6)
         assert recorder.calls == [[]] * 6  # 0.3.75's own forward runs no post-block hook
         monkeypatch.setattr(WanModel, "forward_orig", wan_038_forward_orig)
-        recorder.calls.clear()
-        plain = sample(hooked, "wan21", steps=6)
-        assert recorder.calls == [list(range(blocks))] * 6
-        assert rel(plain, control) > 1e-3  # the hooks change the output
-        for mode in ("reuse", "forecast"):
-            assert torch.equal(sample(deepcache.apply_deepcache(hooked, 1, 1, mode=mode), "wan21", steps=6), plain)
-            recorder.calls.clear()
-            sample(deepcache.apply_deepcache(hooked, 3, 1, mode=mode), "wan21", steps=6)
-            assert recorder.calls == [list(range(blocks)) if step % 3 == 0 else [0, blocks - 2, blocks - 1]
-                                      for step in range(6)], mode
-        sigmas = held_sigmas(model)
-        held = sample(hooked, "wan21", sigmas=sigmas, batch=2)
-        assert rel(sample(deepcache.apply_deepcache(hooked, 3, 1), "wan21", sigmas=sigmas, batch=2), held) < 2e-6
+        _hooks_run_only_on_the_blocks_that_run(deepcache, model, hooked, recorder, "wan21", blocks, control)
     finally:
         handle.remove()
 
