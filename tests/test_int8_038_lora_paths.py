@@ -94,7 +94,10 @@ def test_conditioning_hook_lora_on_a_loaded_int8_file_never_writes_into_the_read
             assert all(layer.weight.dtype == torch.int8 for layer in resident.values())
             with comfy038_mmap.no_writes_into_mappings():
                 hooked = _hooked_call(delegate, hooks)
-    assert torch.equal(hooked, control)
+    # The same arithmetic on weights held elsewhere (mapped from the file, or loaded into memory): bit-equal on the
+    # 2-core Intel Xeon, a few values one float32 step apart on a 2-core AMD EPYC (also on the code before the
+    # session that found it); a LoRA missing or applied twice would be off by the LoRA's whole share (over 0.01)
+    assert rel(hooked, control) < 1e-6
 
 
 def test_a_load_that_assigns_keeps_the_file_mapped(comfy_root, tmp_path):
