@@ -122,3 +122,43 @@ def test_a_loaded_int8_layers_slot_is_sized_in_int8(pack, comfy_root, monkeypatc
         vbar.give_slot(layer)
         assert layer.weight._model_dtype == torch.int8
         assert layer._v.buffer.numel() == vbar.vram_aligned_size([layer.weight, layer.bias])
+
+
+@pytest.mark.parametrize("request_bytes", ["part of the VBAR", "more than the VBAR holds"])
+def test_a_partial_unload_frees_the_int8_layers_slots_first_and_they_compute_the_same_after(
+        pack, comfy_root, monkeypatch, request_bytes):
+    """0.38.1's `ModelPatcherDynamic.partially_unload` (comfy/model_patcher.py at 08d0e510) asks the model's VBAR
+    to free memory before it restores any backup: the slots of streamed INT8 layers are what it evicts, and another
+    model's bytes take their place. The next call copies each evicted layer's int8 bytes in again, once, leaves
+    the slots still resident alone, and computes the same model bit for bit (a layer reading its evicted slot would
+    compute on 0x5A bytes). Asking for more than the VBAR holds evicts every slot, then restores the backups."""
+    from tests.support import comfy038
+
+    detect_tiny(monkeypatch, "sd15")
+    dm = build_tiny_model("sd15").model.diffusion_model
+    loaded = load_int8_state_dict(int8_state_dict(dm.state_dict().items(), all_int8_layers(dm)))
+    the_vbar = vbar.Vbar()
+    layers = [m for m in loaded.model.diffusion_model.modules() if isinstance(m, modules._Int8Layer)]
+    sizes = {id(vbar.give_slot(layer, the_vbar)): vbar.vram_aligned_size([layer.weight, layer.bias])
+             for layer in layers}  # the tiny model's layers stand for streamed ones (over 16 KiB)
+    comfy038.make_dynamic(loaded, monkeypatch)
+    with vbar.vbar_casts(monkeypatch):
+        before, int8_calls = comfy038.model_call(loaded, monkeypatch, dynamic=False)
+        assert int8_calls >= len(layers)
+        total = the_vbar.loaded_size()
+        assert total == sum(sizes.values()) and all(slot.copies == sizes[id(slot)] for slot in the_vbar.slots)
+
+        request = total // 2 if request_bytes == "part of the VBAR" else total + 1
+        backups = loaded.model.model_loaded_weight_memory
+        freed = comfy038.partially_unload(loaded, memory_to_free=request, vbar=the_vbar)
+        evicted = [slot for slot in the_vbar.slots if not slot.resident]
+        assert all(bool((slot.buffer == vbar.OTHER_MODELS_BYTE).all()) for slot in evicted)
+        if request_bytes == "part of the VBAR":
+            assert request <= freed < total and 0 < len(evicted) < len(layers)
+        else:
+            assert freed == total + backups and len(evicted) == len(layers)
+
+        after, int8_calls_after = comfy038.model_call(loaded, monkeypatch, dynamic=False)
+    assert torch.equal(after, before) and int8_calls_after == int8_calls
+    assert the_vbar.loaded_size() == total
+    assert all(slot.copies == (2 if slot in evicted else 1) * sizes[id(slot)] for slot in the_vbar.slots)

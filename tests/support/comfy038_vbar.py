@@ -9,9 +9,10 @@ matches). Models that prefetch (Qwen-Image 2.1, LTX-2) fill the slots of a block
 (Comfy-Org/ComfyUI 0271a469fe29524fafe5872b737123d65a63e5fc) as written: `cast_modules_with_vbar`,
 `resolve_cast_module_with_vbar`, `uncast_bias_weight`, and `cast_bias_weight` from its VBAR branch (the one a
 call on the GPU takes; on a CPU its first branch copies instead). What they call that 0.3.75 lacks is stood in
-below, keeping its contract: comfy-aimdo's slot (`Slot`: a byte buffer whose signature changes when it is
-evicted), comfy/memory_management.py's geometry helpers, comfy/model_management.py's `cast_to_gathered` (no file
-slices, no offload stream on a CPU) and no pinned memory. `Slot.copies` counts the bytes copied into each slot.
+below, keeping its contract: comfy-aimdo's slot (`Slot`: a byte buffer whose signature changes, and whose bytes are
+overwritten, when it is evicted) and the model's VBAR that gives the slots and frees them (`Vbar`),
+comfy/memory_management.py's geometry helpers, comfy/model_management.py's `cast_to_gathered` (no file slices, no
+offload stream on a CPU) and no pinned memory. `Slot.copies` counts the bytes copied into each slot.
 """
 
 from __future__ import annotations
@@ -28,16 +29,54 @@ ALIGNMENT = 1024
 
 
 # --- stand-ins -----------------------------------------------------------------------------------------------
+OTHER_MODELS_BYTE = 0x5A  # what an evicted slot holds afterwards: an int8 weight read from it would be all 90s
+
+
 class Slot:
-    """A layer's VBAR slot: `buffer` is its VRAM; `evict()` is another model taking it (a new signature)."""
+    """A layer's VBAR slot: `buffer` is its VRAM, `copies` the bytes ever copied into it, `resident` whether it
+    holds them now; `evict()` is another model taking its VRAM (a new signature, and other bytes in it)."""
 
     def __init__(self, size: int) -> None:
         self.buffer = torch.zeros(size, dtype=torch.uint8)
         self.signature = 1
         self.copies = 0
+        self.resident = False
+
+    def filled(self, size: int) -> None:
+        self.copies += size
+        self.resident = True
 
     def evict(self) -> None:
         self.signature += 1
+        self.resident = False
+        self.buffer.fill_(OTHER_MODELS_BYTE)
+
+
+class Vbar:
+    """comfy-aimdo's VBAR of one model as `ModelPatcherDynamic` uses it (comfy/model_patcher.py at 08d0e510):
+    `alloc(size)` gives a streamed layer its slot, `loaded_size()` is the bytes of the slots holding their weights,
+    and `free_memory(size)` (what `partially_unload` asks first) evicts resident slots, in the order they were
+    given, until `size` bytes are freed, and returns the bytes it freed."""
+
+    def __init__(self) -> None:
+        self.slots: list[Slot] = []
+
+    def alloc(self, size: int) -> Slot:
+        self.slots.append(Slot(size))
+        return self.slots[-1]
+
+    def loaded_size(self) -> int:
+        return sum(slot.buffer.numel() for slot in self.slots if slot.resident)
+
+    def free_memory(self, size: float) -> int:
+        freed = 0
+        for slot in self.slots:
+            if freed >= size:
+                break
+            if slot.resident:
+                freed += slot.buffer.numel()
+                slot.evict()
+        return freed
 
 
 def _vbar_fault(slot: Slot):
@@ -136,9 +175,10 @@ class QuantizedTensor:  # comfy.quant_ops.QuantizedTensor: no INT8 layer's weigh
     pass
 
 
-def give_slot(layer: torch.nn.Module) -> Slot:
-    """What `ModelPatcherDynamic.load` gives a streamed layer (setup_param, set_dirty): a slot sized from
-    `weight_comfy_model_dtype or weight.dtype`, `weight._model_dtype`, no signature yet, its pin state."""
+def give_slot(layer: torch.nn.Module, vbar: Vbar | None = None) -> Slot:
+    """What `ModelPatcherDynamic.load` gives a streamed layer (setup_param, set_dirty): a slot (from the model's
+    `vbar` where given) sized from `weight_comfy_model_dtype or weight.dtype`, `weight._model_dtype`, no signature
+    yet, its pin state."""
     geometries = []
     for name in ("weight", "bias"):
         param = getattr(layer, name, None)
@@ -147,7 +187,8 @@ def give_slot(layer: torch.nn.Module) -> Slot:
         param._model_dtype = getattr(layer, f"{name}_comfy_model_dtype", None) or param.dtype
         geometries.append(TensorGeometry(shape=param.shape, dtype=param._model_dtype))
     layer.comfy_cast_weights = True
-    layer._v = Slot(vram_aligned_size(geometries))
+    size = vram_aligned_size(geometries)
+    layer._v = Slot(size) if vbar is None else vbar.alloc(size)
     layer._v_signature = None
     layer._pin_state = {"fast_disk": False}
     return layer._v
@@ -223,7 +264,7 @@ def cast_modules_with_vbar(comfy_modules, dtype, device, bias_dtype, non_blockin
             cast_maybe_lowvram_patch(source, pin, offload_stream, xfer_dest2=dest)
 
         handle_pin(s, pin, xfer_source, xfer_dest, subset=subset, size=dest_size)
-        s._v.copies += dest_size
+        s._v.filled(dest_size)
 
         prefetch["xfer_dest"] = xfer_dest
         prefetch["cast_dest"] = cast_dest
