@@ -128,3 +128,65 @@ def test_a_device_clone_after_a_prompt_unloads_the_model_and_its_int8_copies_are
     rebuilt_base = {layer: n for layer, n in builds.items() if layer in base_layers}
     assert rebuilt_base and set(rebuilt_base.values()) == {1}, "base copies not rebuilt, or rebuilt more than once"
     assert any(layer not in base_layers for layer in builds), "the other device's model got no INT8 copies"
+    assert plan.calibration_runs == 1  # the rebuilt copies, and the other device's, use the first prompt's decision
+
+
+def test_a_device_clone_after_a_prompt_restores_a_loaded_int8_model_with_lora_and_the_split_computes_the_same(
+        pack, monkeypatch, tmp_path):
+    """Load Diffusion Model (INT8) with a LoRA: the first prompt merges the LoRA into the INT8 layers (requantized
+    weights and scales). 0.38.1's `deepclone_multigpu` unloads the model first, which puts the file's int8 weights
+    and scales back; the other device gets the loader's fresh load of the file (`cached_patcher_init`) with the
+    same LoRA. Both devices' threads run their layers in INT8 and the split result is bit for bit the one device's
+    with cond and uncond run apart, as the split runs them: the LoRA is merged once on each device, never on top of
+    the first prompt's merge."""
+    import comfy.samplers
+    import comfy.utils
+
+    from comfyui_int8_accel.kernels import ops
+    from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict
+    from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_diffusion_model
+    from harness.tiny_models import detect_tiny
+    from tests.support.int8_checks import all_int8_layers
+    from tests.support.lora import apply_lora, make_lora
+
+    detect_tiny(monkeypatch, "sd15")
+    base = _tiny("sd15", seed=7)
+    dm = base.model.diffusion_model
+    path = tmp_path / "sd15_int8.safetensors"
+    comfy.utils.save_torch_file(int8_state_dict(dm.state_dict().items(), all_int8_layers(dm)), str(path))
+    loaded, _ = load_int8_diffusion_model(str(path))
+    layers = int8_resident_layers(loaded.model.diffusion_model)
+    from_file = {name: (layer.weight.clone(), layer.weight_scale.clone()) for name, layer in layers.items()}
+    without_lora = sample(loaded, "sd15", steps=2)
+    with_lora = apply_lora(loaded, make_lora(base, layers=8, scale=2.0))
+    apart = with_lora.clone()  # the control: one device, cond and uncond in separate model calls, as split
+    apart.model_options["sampler_calc_cond_batch_function"] = lambda args: [
+        comfy.samplers._calc_cond_batch(args["model"], [cond], args["input"], args["sigma"], args["model_options"])[0]
+        for cond in args["conds"]]
+    one_device = sample(apart, "sd15", steps=2)  # stays loaded, its LoRA merged into the INT8 layers
+    assert rel(one_device, without_lora) > 0.01, "the LoRA changed nothing"
+    merged = [name for name, layer in layers.items() if not torch.equal(layer.weight, from_file[name][0])]
+    assert merged, "the LoRA was not merged into any INT8 layer"
+
+    int8_calls: Counter = Counter()
+    record = ops._record
+
+    def recording(op, kernel_backend, path_):
+        int8_calls[threading.current_thread().name] += path_ == "int8"
+        record(op, kernel_backend, path_)
+
+    monkeypatch.setattr(ops, "_record", recording)  # kernels.record_calls counts one thread; this, every thread
+    comfy038_multigpu.install(monkeypatch)
+    factory, args = loaded.cached_patcher_init
+    split, _, pool = comfy038_multigpu.with_multigpu(with_lora, factory(*args).model, torch.device("cpu", 0))
+    assert all(torch.equal(layer.weight, from_file[name][0]) and torch.equal(layer.weight_scale, from_file[name][1])
+               for name, layer in layers.items()), "the unload did not put the file's INT8 weights back"
+    int8_calls.clear()
+    try:
+        first = sample(split, "sd15", steps=2)
+        second = sample(split, "sd15", steps=2)
+    finally:
+        pool.shutdown()
+    workers = {name for name, n in int8_calls.items() if n and name != threading.main_thread().name}
+    assert len(workers) == 2, f"INT8 kernels ran on {sorted(workers)}, not on both devices' threads"
+    assert torch.equal(first, one_device) and torch.equal(first, second)

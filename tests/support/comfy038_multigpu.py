@@ -147,16 +147,19 @@ def install(monkeypatch) -> None:
 
 
 def unload_model_and_clones(patcher) -> None:
-    """`comfy.model_management.unload_model_and_clones` (0.38.1), which 0.3.75 lacks: every loaded model sharing
-    `patcher`'s model unloaded (weights unpatched, as any full unload). The stored comfy/model_management.py
-    (02b2b388) has no such function: its body here follows its name and its one call, in `deepclone_multigpu`."""
+    """`comfy.model_management.unload_model_and_clones(model, unload_additional_models=True, all_devices=False)`
+    (0.38.1), which 0.3.75 lacks. No stored comfy/model_management.py holds it (02b2b388 has none); its body as
+    other projects' tests read it: every loaded model is kept but those of `model`'s clone family and of its nested
+    additional models, and `free_memory(1e30, get_torch_device(), keep_loaded)` unloads the rest (fully: weights
+    unpatched, backups restored). 0.38 tells a clone by its `clone_base_uuid`, which 0.3.75's patchers lack:
+    sharing the model (`is_clone`) stands in for it (a deep clone shares the uuid but not the model, and sits on
+    another device, which a free of this one leaves alone)."""
     import comfy.model_management as mm
 
-    for index in reversed(range(len(mm.current_loaded_models))):
-        loaded = mm.current_loaded_models[index]
-        if loaded.model is not None and patcher.is_clone(loaded.model):
-            loaded.model_unload()
-            mm.current_loaded_models.pop(index)
+    family = [patcher, *patcher.get_nested_additional_models()]
+    keep = [loaded for loaded in mm.current_loaded_models
+            if not any(member.is_clone(loaded.model) for member in family)]
+    mm.free_memory(1e30, mm.get_torch_device(), keep)
 
 
 def device_clone(patcher, fresh_model, device: torch.device):
