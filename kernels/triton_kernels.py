@@ -76,19 +76,21 @@ AUTOTUNE_WARMUP_MS = 3
 AUTOTUNE_REP_MS = 12
 
 
-def _autotune(configs: list, key: list[str]):
+def _autotune(configs: list, key: list[str], prune=None):
     """`triton.autotune` with the short benchmark above: through `do_bench` where Triton takes one (Triton 3.6 does,
     and deprecates `warmup`/`rep` there), else through `warmup`/`rep` (Triton 3.0); the kernel it makes launches as
-    a `ChosenConfigAutotuner`."""
+    a `ChosenConfigAutotuner`. `prune(configs, named_args, **launch_keywords)`: the candidates worth timing for one
+    tuning key (Triton's `early_config_prune`; at least one)."""
+    options = {} if prune is None else {"prune_configs_by": {"early_config_prune": prune}}
     if "do_bench" in inspect.signature(triton.autotune).parameters:
         def bench(kernel_call, quantiles):
             from triton.testing import do_bench
 
             return do_bench(kernel_call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
 
-        autotune = triton.autotune(configs=configs, key=key, do_bench=bench)
+        autotune = triton.autotune(configs=configs, key=key, do_bench=bench, **options)
     else:
-        autotune = triton.autotune(configs=configs, key=key, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS)
+        autotune = triton.autotune(configs=configs, key=key, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, **options)
 
     def decorate(fn):
         tuned = autotune(fn)
@@ -136,6 +138,28 @@ if AVAILABLE:
             return tuple(key)
 
 
+# The widest row the one-pass quantizer holds in registers, and how many of a row block's float32 values one thread
+# may hold: 128 of a thread's 255 registers (the rest hold the row offsets, masks and the int8 values). A program of
+# 8 warps (256 threads) then holds 32768 values, 4 rows of 8192: every Linear input of SDXL (up to 5120 wide) and of
+# Flux but its MLP output (12288, which takes the two-pass kernel: at the next power of two, 16384, one candidate of
+# the four would be left).
+ONE_PASS_MAX_K = 8192
+VALUES_PER_THREAD = 128
+
+
+def _row_blocks_in_registers(configs: list, named_args: dict, **launch: object) -> list:
+    """The one-pass quantizer's candidates whose row block (BLOCK_M rows of the row width rounded up to a power of
+    two, the caller's BLOCK_K) takes at most VALUES_PER_THREAD values per thread, else the one with the fewest (the
+    single candidate under the interpreter). The width comes from K, a positional argument, which every Triton release
+    passes here (not all pass the launch's keywords, BLOCK_K among them)."""
+    block_k = next_power_of_2(named_args["K"])
+
+    def per_thread(config) -> float:
+        return config.kwargs["BLOCK_M"] * block_k / (32 * config.num_warps)
+
+    return [c for c in configs if per_thread(c) <= VALUES_PER_THREAD] or [min(configs, key=per_thread)]
+
+
 if AVAILABLE:
     # Keyed on sizes fixed per layer (reduction and output widths), so tuning happens on a layer's first call
     # (a warm-up), not on every new token count.
@@ -169,9 +193,10 @@ if AVAILABLE:
     # The same quantizer in one pass over x where a row block fits in registers (K up to ONE_PASS_MAX_K): each
     # row is loaded once, its amax taken and its values quantized from the loaded block, where the kernel above
     # loads every row twice. BLOCK_K is the row width rounded up to a power of two (the caller's); BLOCK_M rows per
-    # program, autotuned, keyed on K.
+    # program and the warps, autotuned, keyed on K; only candidates whose block fits the registers are timed.
     @_autotune(configs=_configs(({"BLOCK_M": 16}, 4), [
-        ({"BLOCK_M": 1}, 4), ({"BLOCK_M": 2}, 4), ({"BLOCK_M": 4}, 8), ({"BLOCK_M": 8}, 8)]), key=["K"])
+        ({"BLOCK_M": 1}, 4), ({"BLOCK_M": 2}, 4), ({"BLOCK_M": 4}, 8), ({"BLOCK_M": 8}, 8)]), key=["K"],
+        prune=_row_blocks_in_registers)
     @triton.jit
     def _quantize_rows_one_pass_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, BLOCK_M: tl.constexpr,
                                        BLOCK_K: tl.constexpr):  # fmt: skip
@@ -486,11 +511,6 @@ def _require() -> None:
         raise RuntimeError("triton is not importable")
 
 
-# The widest row the one-pass quantizer holds in registers: 8192 float32 values per row of a program's block
-# (Flux's 12288-wide MLP output takes the two-pass kernel).
-ONE_PASS_MAX_K = 8192
-
-
 def _row_blocks(meta: dict, m: int) -> tuple[int]:
     return (cdiv(m, meta["BLOCK_M"]),)
 
@@ -504,12 +524,20 @@ def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=torch.int8, device=x2d.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     grid = functools.partial(_row_blocks, m=m)
+    # Row strides of contiguous [M, K] matrices: K (a size-1 dim may report another stride; no offset reads it)
     if k <= ONE_PASS_MAX_K:
-        _quantize_rows_one_pass_kernel[grid](x2d, q, scale, m, k, x2d.stride(0), q.stride(0),
-                                             BLOCK_K=next_power_of_2(k), **EXACT)  # fmt: skip
+        _quantize_rows_one_pass_kernel[grid](x2d, q, scale, m, k, k, k, BLOCK_K=next_power_of_2(k), **EXACT)
     else:
-        _quantize_rows_kernel[grid](x2d, q, scale, m, k, x2d.stride(0), q.stride(0), **EXACT)
+        _quantize_rows_kernel[grid](x2d, q, scale, m, k, k, k, **EXACT)
     return q, scale
+
+
+def _float32_vector(t: torch.Tensor) -> torch.Tensor:
+    """A weight's per-channel scale as the kernels read it, contiguous float32: the layer's own buffer as it is
+    (what the layers hold), else a converted copy."""
+    if t.dtype is torch.float32 and t.is_contiguous():
+        return t
+    return t.to(torch.float32).contiguous()
 
 
 # The affine kernels' grid: one program per AFFINE_GRAIN elements, at most AFFINE_PROGRAMS (a power of two: the
@@ -550,7 +578,7 @@ def rescale(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
     _require()
     m, n = acc.shape
     out = torch.empty((m, n), dtype=dtype, device=acc.device)
-    col_scale = col_scale.to(torch.float32).contiguous()
+    col_scale = _float32_vector(col_scale)
     bias_arg = col_scale if bias is None else bias.contiguous()
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]), cdiv(n, meta["BLOCK_N"]))  # noqa: E731
     _rescale_kernel[grid](acc, row_scale.contiguous(), col_scale, bias_arg, out, m, n, acc.stride(0), out.stride(0),
@@ -568,11 +596,12 @@ def gemm_rescale(a: torch.Tensor, q_weight: torch.Tensor, row_scale: torch.Tenso
     m, k = a.shape
     n = q_weight.shape[0]
     out = torch.empty((m, n), dtype=dtype, device=a.device)
-    col_scale = col_scale.to(torch.float32).contiguous()
+    col_scale = _float32_vector(col_scale)
     bias_arg = col_scale if bias is None else bias.contiguous()
     grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _gemm_rescale_kernel[grid](a, q_weight, row_scale.contiguous(), col_scale, bias_arg, out, m, n, k, a.stride(0),
-                               q_weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, **EXACT)  # fmt: skip
+    # row strides of the contiguous operands and output, as in quantize_rows
+    _gemm_rescale_kernel[grid](a, q_weight, row_scale.contiguous(), col_scale, bias_arg, out, m, n, k, k, k, n,
+                               HAS_BIAS=bias is not None, **EXACT)  # fmt: skip
     return out
 
 
@@ -589,7 +618,7 @@ def _launch_conv(kernel, x_q: torch.Tensor, weight: torch.Tensor, image: tuple[i
     c_out_g = c_out // groups
     block_n = 128 if c_out_g > 64 else max(16, next_power_of_2(c_out_g))
     grid = lambda meta: (cdiv(b * h_out * w_out, meta["BLOCK_M"]), cdiv(c_out_g, block_n), groups)  # noqa: E731
-    w_scale32 = w_scale.to(torch.float32).contiguous()
+    w_scale32 = _float32_vector(w_scale)
     kernel[grid](
         x_q, weight, col_sum, w_scale32, w_scale32 if bias is None else bias.contiguous(), out,
         x_zero_point, x_scale,

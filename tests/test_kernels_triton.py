@@ -144,6 +144,28 @@ def test_the_one_pass_row_quantizer_loads_each_row_once(tk):
     assert two_pass.count("tl.load(x_ptr") == 2
 
 
+def test_the_one_pass_quantizer_times_only_row_blocks_that_fit_its_registers(tk):
+    """The GPU candidates (rows per program x warps) a row width keeps: every one where a thread holds at most
+    VALUES_PER_THREAD of the block's values, so the widest one-pass rows (5120 and 8192 wide, a 8192-value block)
+    drop 8 rows on 8 warps (256 values a thread: spilled registers), while narrower rows keep all; the single
+    interpreter candidate stays whatever the width. The Triton releases' autotuners pass K by name here."""
+    import triton
+
+    gpu_candidates = [triton.Config({"BLOCK_M": m}, num_warps=w) for m, w in ((1, 4), (2, 4), (4, 8), (8, 8))]
+
+    def kept(k: int, configs=gpu_candidates) -> list[tuple[int, int]]:
+        chosen = tk._row_blocks_in_registers(configs, {"K": k}, BLOCK_K=tk.next_power_of_2(k))
+        return [(c.kwargs["BLOCK_M"], c.num_warps) for c in chosen]
+
+    for k in (320, 640, 1280, 2048, 2560):
+        assert kept(k) == [(1, 4), (2, 4), (4, 8), (8, 8)]
+    assert kept(5120) == kept(tk.ONE_PASS_MAX_K) == [(1, 4), (2, 4), (4, 8)]
+    assert all(m * tk.ONE_PASS_MAX_K / (32 * w) <= tk.VALUES_PER_THREAD for m, w in kept(tk.ONE_PASS_MAX_K))
+    interpreted = [triton.Config({"BLOCK_M": 16}, num_warps=4)]
+    assert kept(tk.ONE_PASS_MAX_K, interpreted) == [(16, 4)]
+    assert tk._quantize_rows_one_pass_kernel.early_config_prune is tk._row_blocks_in_registers
+
+
 def _conv_input(case: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(5)
     if case == "several-strides":  # more than AFFINE_GRAIN x AFFINE_PROGRAMS elements, not a multiple of a block
