@@ -14,8 +14,12 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PINNED = "0.2.36"
-KITCHEN_TESTS = ["tests/test_core_quantized.py", "tests/test_int8_checkpoints.py::test_comfy_kitchen_reads_our_linear_and_computes_the_same",
-                 "tests/test_int8_checkpoints.py::test_convrot_weights_are_unrotated_through_comfy_kitchen"]  # fmt: skip
+# every test that goes through comfy-kitchen: its QuantizedTensor and layouts, or 0.38's loading (comfy038_quant)
+KITCHEN_TESTS = ["tests/test_core_quantized.py",
+                 "tests/test_int8_checkpoints.py::test_comfy_kitchen_reads_our_linear_and_computes_the_same",
+                 "tests/test_int8_checkpoints.py::test_convrot_weights_are_unrotated_through_comfy_kitchen",
+                 "tests/test_int8_checkpoints.py::test_a_file_quantized_by_comfy_kitchen_loads_and_samples",
+                 "tests/test_comfy_contracts.py::test_core_save_nodes_write_a_loaded_int8_model_in_the_int8_format"]
 
 
 def _pinned_kitchen() -> Path:
