@@ -190,3 +190,97 @@ def test_quantize_model_shares_the_self_attention_input_and_samples_the_same_lat
     unshared_latent, _ = sampled(share=False)
     assert quantizer_calls == []  # without groups every Linear quantizes inside its own op
     assert torch.equal(shared_latent, unshared_latent)
+
+
+def _attention_with_int8_projections(query_dim: int, heads: int, dim_head: int, context_dim: int | None = None):
+    """ComfyUI's CrossAttention with INT8 copies of its Q, K and V projections swapped in, grouped as Quantize Model
+    groups them: (attention, replacements)."""
+    from comfy.ldm.modules.attention import CrossAttention
+
+    from comfyui_int8_accel.nodes.int8.modules import Int8Linear
+
+    torch.manual_seed(0)
+    root = torch.nn.Module()
+    root.attn = CrossAttention(query_dim, context_dim=context_dim, heads=heads, dim_head=dim_head)
+    with torch.no_grad():
+        for parameter in root.parameters():  # ComfyUI's layers leave their weights uninitialised
+            parameter.normal_(0.0, 0.05)
+    replacements = {f"attn.{leaf}": Int8Linear.from_float(getattr(root.attn, leaf)) for leaf in ("to_q", "to_k", "to_v")}
+    return root, replacements
+
+
+def test_sdxl_self_attention_on_the_triton_backend_launches_one_quantizer_for_q_k_and_v(monkeypatch, quant):
+    """An SDXL-width self-attention (640 = 10 heads of 64) through ComfyUI's CrossAttention on the triton backend
+    under the interpreter, counting kernel launches: with its projections grouped, the three INT8 projections launch
+    one row quantizer and three GEMMs, where ungrouped they launch three and three; the output is the same bit for
+    bit."""
+    from comfyui_int8_accel.kernels import triton_kernels
+    from comfyui_int8_accel.nodes.int8.layout import swapped_modules
+    from comfyui_int8_accel.nodes.int8.shared_inputs import assign_shared_inputs
+
+    if not triton_kernels.AVAILABLE or not triton_kernels.INTERPRETED:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
+    launches: list[str] = []
+    autotuned_run = triton_kernels.ChosenConfigAutotuner.run
+
+    def counting_run(self, *args, **kwargs):
+        launches.append(self.base_fn.__name__)
+        return autotuned_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels.ChosenConfigAutotuner, "run", counting_run)
+    monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "fused")  # the GEMM Hopper runs: one launch per projection
+    root, replacements = _attention_with_int8_projections(640, heads=10, dim_head=64)
+    x = torch.randn(1, 24, 640)
+
+    def run() -> torch.Tensor:
+        launches.clear()
+        with swapped_modules(root, replacements), force_kernel_backend("triton"), torch.inference_mode(), \
+                record_calls() as calls:
+            out = root.attn(x)
+        assert calls == {("linear", "triton", "int8"): 3}
+        return out
+
+    unshared = run()
+    assert launches.count("_quantize_rows_one_pass_kernel") == 3 and launches.count("_gemm_rescale_kernel") == 3
+    assign_shared_inputs(root, replacements)
+    shared = run()
+    assert launches.count("_quantize_rows_one_pass_kernel") == 1 and launches.count("_gemm_rescale_kernel") == 3
+    assert len(launches) == 4
+    assert torch.equal(shared, unshared)
+    assert replacements["attn.to_q"].shared_input.group.source is None  # nothing kept past the call
+
+
+def test_grouped_projections_compile_in_one_graph_without_reading_the_group(quant, quantizer_calls, monkeypatch):
+    """Under torch.compile the layers do not read their group (inductor computes a repeated traced quantizer once):
+    a self-attention with grouped INT8 projections compiles to one graph (fullgraph: no break), is not compiled
+    again for a second input, leaves the group empty and gives the eager ungrouped output bit for bit (dynamo's
+    eager backend runs the traced ops as ATen runs them)."""
+    import comfy.ldm.modules.attention as comfy_attention
+
+    from comfyui_int8_accel.nodes.int8.layout import swapped_modules
+    from comfyui_int8_accel.nodes.int8.shared_inputs import assign_shared_inputs
+
+    # ComfyUI's CPU attention asks psutil for free memory, which dynamo cannot trace; SDPA's is what GPUs run
+    monkeypatch.setattr(comfy_attention, "optimized_attention", comfy_attention.attention_pytorch)
+    root, replacements = _attention_with_int8_projections(64, heads=2, dim_head=32)
+    inputs = [torch.randn(2, 12, 64), torch.randn(2, 12, 64)]
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    with swapped_modules(root, replacements), force_kernel_backend("cuda"), torch.no_grad():
+        unshared = [root.attn(x) for x in inputs]
+        assign_shared_inputs(root, replacements)
+        assert replacements["attn.to_k"].shared_input is not None
+        torch._dynamo.reset()
+        compiled = torch.compile(root.attn, backend=counting_backend, fullgraph=True)
+        with record_calls() as calls:
+            outs = [compiled(x) for x in inputs]
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert calls == {("linear", "cuda", "int8"): 6}
+    assert quantizer_calls == []  # the group's eager quantizer was never called
+    assert replacements["attn.to_q"].shared_input.group.source is None
+    assert all(torch.equal(a, b) for a, b in zip(outs, unshared, strict=True))
