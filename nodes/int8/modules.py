@@ -8,8 +8,6 @@ is requantized with a fresh per-row scale (a fixed scale would clip rows the LoR
 
 from __future__ import annotations
 
-import functools
-
 import comfy.ops
 import torch
 from torch.nn.modules.utils import _pair
@@ -209,20 +207,20 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
                          for t in (self.weight, self.weight_scale, self.bias))
         return self.weight, self.weight_scale, self.bias
 
-    def _run_quantized(self, x: torch.Tensor, kernel) -> torch.Tensor:
-        """`kernel(x, q_weight, w_scale, bias)` on this layer's int8 weight.
+    def _run_quantized(self, x: torch.Tensor, kernel, **options) -> torch.Tensor:
+        """`kernel(x, q_weight, w_scale, bias, **options)` on this layer's int8 weight.
 
         A loaded INT8 layer that ComfyUI 0.38 streams under dynamic VRAM holds a VBAR slot (`_v`): ComfyUI copies
         its int8 bytes into the slot (ahead of the block on models that prefetch) and keeps them there across
         steps while the slot stays resident, so they are read from there through ComfyUI's own cast in their
         stored dtype; copying them from system memory here would move them a second time."""
         if not uses_vbar_cast(self):
-            return kernel(x, *self._quantized_args(x))
+            return kernel(x, *self._quantized_args(x), **options)
         weight, bias, stream = comfy.ops.cast_bias_weight(
             self, x, dtype=self.weight.dtype, bias_dtype=None if self.bias is None else self.bias.dtype,
             offloadable=True)
         try:
-            return kernel(x, weight, self.weight_scale.to(x.device, non_blocking=True), bias)
+            return kernel(x, weight, self.weight_scale.to(x.device, non_blocking=True), bias, **options)
         finally:
             comfy.ops.uncast_bias_weight(self, weight, bias, stream)
 
@@ -282,7 +280,7 @@ class Int8Linear(_Int8Layer):
             weight, bias = self._float_weight_for_forward(x)
             return torch.nn.functional.linear(x, weight, bias)
         if shared is not None:
-            return self._run_quantized(x, functools.partial(int8_linear, shared=shared))
+            return self._run_quantized(x, int8_linear, shared=shared)
         return self._run_quantized(x, int8_linear)
 
     def extra_repr(self) -> str:
