@@ -1,15 +1,21 @@
-"""Host time of an eager INT8 call on the triton backend, without its kernels: what the pack's Python and Triton's
-launch bookkeeping cost per call before any kernel is enqueued, launched through Triton's autotuner against
-launched with the config it chose (`triton_kernels.ChosenConfigAutotuner`), interleaved in one process.
+"""Host time of an eager INT8 call on the triton backend, without its kernels, beside a float layer's: what the
+pack's Python, Triton's launch bookkeeping and the output allocations cost per call before any kernel is enqueued,
+against what `F.linear` / `F.conv2d` cost in PyTorch's dispatcher for the same layer, interleaved in one process.
 
-No GPU is needed or used: the kernels' JIT launch itself (Triton's argument binding and the driver call, which need
-a GPU) is replaced by a no-op, and CPU tensors stand in for the GPU's, so the figures are this CPU's Python time
-for the layer shapes given; the GPU run's `gpu_int8_breakdown.md` has the whole host time per call on a GPU.
-Each kernel gets two identical autotuning candidates, as a GPU's several: the autotuner then builds its key per
-launch, as it does there. The Linear runs the fused GEMM and the conv the channels-last kernel, the paths an
-H100/H200 takes.
+No GPU is needed or used. The INT8 side: `int8_linear` / `int8_conv2d` on CPU tensors under Triton's interpreter,
+each kernel's JIT launch (Triton's argument binding and the driver call, which need a GPU) replaced by a stand-in
+that only works out the launch grid, as a launch does with the config's block sizes; each kernel has two identical
+autotuning candidates, as on a GPU, and launches with the config chosen (`ChosenConfigAutotuner`). The Linear runs
+the fused GEMM and the conv the channels-last kernel, the paths an H100/H200 takes. The float side: `F.linear` /
+`F.conv2d` with the layer's real bf16 weight on an input with no rows (batch 0): the dispatcher, shape checks and
+the output allocation, no arithmetic. Neither side contains what a GPU adds (a kernel launch: one for the float
+layer, one per INT8 kernel; the CUDA caching allocator instead of the CPU's), so the ratio is that of the Python and
+dispatcher parts alone; the GPU run's `gpu_int8_breakdown.md` has the whole host time per call on a GPU.
 
-    .venv/bin/python bench/bench_launch_overhead.py [--calls 20000] [--out FILE]
+    .venv/bin/python bench/bench_launch_overhead.py [--calls 20000] [--rounds 5] [--out FILE]
+
+The same bench on another commit's code (a checkout of it): `bench_launch_overhead_ab.py`, which runs this file
+there and here alternately, or this file copied into that checkout and run there.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +33,7 @@ os.environ["INT8_ACCEL_TRITON_LINEAR"] = "fused"
 os.environ["INT8_ACCEL_TRITON_CONV"] = "nhwc"
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -46,12 +54,14 @@ from comfyui_int8_accel.kernels import (  # noqa: E402
 )
 from comfyui_int8_accel.kernels.triton_backend import prepare_conv2d, prepare_linear  # noqa: E402
 
+# SDXL's Linear shapes at 1024x1024 with CFG (tokens x in x out), and its self-attention widths
+LINEARS = ((8192, 640, 640), (2048, 1280, 1280), (2048, 1280, 10240))
+SELF_ATTENTION = ((8192, 640), (2048, 1280))
+ROWS_PER_TOKEN_BLOCK = 256  # the INT8 input holds tokens / 256 rows: its size does not matter with no kernel
 
-class _Forgetful(dict):
-    """A chosen-config table that keeps nothing: every launch goes through the autotuner."""
 
-    def __setitem__(self, key, value) -> None:
-        pass
+class _Launches:
+    count = 0
 
 
 def _kernels() -> list:
@@ -60,6 +70,7 @@ def _kernels() -> list:
 
 def _launch_without_kernel(*args, grid=None, **kwargs) -> None:
     """The JIT launch's stand-in: it works out the grid, as a launch does with the config's block sizes."""
+    _Launches.count += 1
     if callable(grid):
         grid(kwargs)
 
@@ -71,17 +82,76 @@ def _without_kernels() -> None:
         kernel._bench = lambda *args, config=None, **kwargs: [1.0, 1.0, 1.0]
 
 
-def _set_path(through_autotuner: bool) -> None:
-    for kernel in _kernels():
-        kernel.chosen_configs = _Forgetful() if through_autotuner else {}
-
-
 def _per_call_us(call, calls: int) -> float:
-    call()  # tune (a no-op benchmark) and fill the chosen configs
     start = time.perf_counter()
     for _ in range(calls):
         call()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def _launches_per_call(call) -> int:
+    call()  # tune (a no-op benchmark) and fill the chosen configs
+    before = _Launches.count
+    call()
+    return _Launches.count - before
+
+
+def _linear_case(g: torch.Generator, tokens: int, k: int, n: int, bias: bool = True) -> tuple:
+    """(int8 arguments, float arguments) of one Linear; the float input has no rows."""
+    x = torch.randn(1, tokens // ROWS_PER_TOKEN_BLOCK, k, generator=g).to(torch.bfloat16)
+    weight = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias_values = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    q_weight = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w_scale = torch.rand(n, generator=g) / 100
+    prepare_linear(q_weight, w_scale, bias_values)
+    return (x, q_weight, w_scale, bias_values), (x[:, :0], weight, bias_values)
+
+
+def _cases(g: torch.Generator) -> list[tuple[str, object, object]]:
+    """(name, INT8 call, float call) of each measured call."""
+    cases = []
+    for tokens, k, n in LINEARS:
+        int8_args, float_args = _linear_case(g, tokens, k, n)
+        cases.append((f"Linear {tokens}x{k}x{n}", lambda a=int8_args: int8_linear(*a),
+                      lambda a=float_args: F.linear(*a)))
+    for tokens, width in SELF_ATTENTION:
+        layers = [_linear_case(g, tokens, width, width, bias=False) for _ in range(3)]
+        x, x_empty = layers[0][0][0], layers[0][1][0]
+        cases.append((f"Q, K, V of one input, 3 x {tokens}x{width}x{width}",
+                      lambda x=x, layers=layers: _projections(x, [int8_args[1:] for int8_args, _ in layers]),
+                      lambda x=x_empty, layers=layers: [F.linear(x, *float_args[1:]) for _, float_args in layers]))
+    channels = 64  # small: on CPU tensors the weight cache checksums the conv weight per call (not on a GPU)
+    x = torch.randn(1, channels, 8, 8, generator=g).to(torch.bfloat16)
+    weight = torch.randn(channels, channels, 3, 3, generator=g).to(torch.bfloat16)
+    q_weight = torch.randint(-127, 128, (channels, channels, 3, 3), generator=g, dtype=torch.int8)
+    w_scale = torch.rand(channels, generator=g) / 100
+    bias = torch.randn(channels, generator=g).to(torch.bfloat16)
+    prepare_conv2d(q_weight, w_scale, bias, [1, 1], [1, 1], [1, 1], 1)
+    cases.append((f"Conv2d 3x3 {channels} -> {channels}",
+                  lambda: int8_conv2d(x, q_weight, w_scale, bias, 1, 1),
+                  lambda: F.conv2d(x[:0], weight, bias, 1, 1)))
+    return cases
+
+
+def _projections(x: torch.Tensor, layers: list[tuple]) -> None:
+    """An attention's Q, K and V projections of one input, sharing its quantization where this code can
+    (`kernels.shared_rows`; before it existed, each quantized its own)."""
+    if not hasattr(kernels_module, "SharedInput"):
+        for layer in layers:
+            int8_linear(x, *layer)
+        return
+    group = kernels_module.SharedRows()
+    for index, layer in enumerate(layers):
+        int8_linear(x, *layer, shared=kernels_module.SharedInput(group, index == 0, index == len(layers) - 1))
+
+
+def _code() -> str:
+    """The commit whose kernels and layers this run measured, and whether they had uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+
+    changed = git("status", "--porcelain", "--", "kernels", "nodes")
+    return git("rev-parse", "--short", "HEAD") + (" with uncommitted changes" if changed else "")
 
 
 def main() -> int:
@@ -92,100 +162,43 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     _without_kernels()
-
-    g = torch.Generator().manual_seed(0)
-    cases = []
-    for tokens, k, n in ((2048, 1280, 1280), (8192, 640, 640)):
-        x = torch.randn(tokens // 256, k, generator=g).to(torch.bfloat16)  # rows do not matter with no kernel
-        q_weight = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-        w_scale = torch.rand(n, generator=g) / 100
-        bias = torch.randn(n, generator=g).to(torch.bfloat16)
-        prepare_linear(q_weight, w_scale, bias)
-        cases.append((f"Linear {k} -> {n}", 2,
-                      lambda x=x, w=q_weight, s=w_scale, b=bias: int8_linear(x, w, s, b)))
-    for channels in (64,):  # small: on CPU tensors the weight cache checksums the conv weight per call (not on a GPU)
-        x = torch.randn(1, channels, 8, 8, generator=g).to(torch.bfloat16)
-        q_weight = torch.randint(-127, 128, (channels, channels, 3, 3), generator=g, dtype=torch.int8)
-        w_scale = torch.rand(channels, generator=g) / 100
-        bias = torch.randn(channels, generator=g).to(torch.bfloat16)
-        prepare_conv2d(q_weight, w_scale, bias, [1, 1], [1, 1], [1, 1], 1)
-        cases.append((f"Conv2d 3x3 {channels} -> {channels}", 3,
-                      lambda x=x, w=q_weight, s=w_scale, b=bias: int8_conv2d(x, w, s, b, 1, 1)))
-
     rows, ratios = [], []
-    with force_kernel_backend("triton"):
-        for name, launches, call in cases:
-            samples: dict[bool, list[float]] = {True: [], False: []}
+    with force_kernel_backend("triton"), torch.inference_mode():
+        for name, int8_call, float_call in _cases(torch.Generator().manual_seed(0)):
+            launches = _launches_per_call(int8_call)
+            float_call()
+            samples: dict[str, list[float]] = {"float": [], "int8": []}
             for _ in range(args.rounds):
-                for through_autotuner in (True, False):
-                    _set_path(through_autotuner)
-                    samples[through_autotuner].append(_per_call_us(call, args.calls))
-            autotuned, chosen = (statistics.median(samples[side]) for side in (True, False))
-            ratios.append(autotuned / chosen)
-            rows.append([name, str(launches), f"{autotuned:.1f}", f"{chosen:.1f}", f"{autotuned - chosen:.1f}",
-                         f"{(autotuned - chosen) / launches:.1f}", f"{autotuned / chosen:.2f}x"])
+                samples["float"].append(_per_call_us(float_call, args.calls))
+                samples["int8"].append(_per_call_us(int8_call, args.calls))
+            float_us, int8_us = (statistics.median(samples[side]) for side in ("float", "int8"))
+            ratios.append(int8_us / float_us)
+            rows.append([name, str(launches), f"{float_us:.1f}", f"{int8_us:.1f}", f"{int8_us / float_us:.1f}x"])
     notes = [
-        f"Machine: {cpu_line()}; Triton {__import__('triton').__version__} (its interpreter's launch objects).",
-        "Host us per eager call of `int8_linear` / `int8_conv2d` on the triton backend, the kernels' JIT launch "
-        "replaced by a stand-in that only works out the launch grid (no GPU): the pack's Python, the output "
-        "allocations, the grid and Triton's autotuner; median of "
-        f"{args.rounds} rounds of {args.calls} calls per side, the two sides interleaved.",
-        "through the autotuner: every launch through `Autotuner.run`, as before; chosen config: "
-        "`ChosenConfigAutotuner`, which launches the JIT function with the config chosen for the tuning key.",
+        f"Machine: {cpu_line()}; Triton {__import__('triton').__version__} (its interpreter's launch objects); "
+        f"inference mode, as ComfyUI samples. Code: commit {_code()}.",
+        "float: `F.linear` / `F.conv2d` with the layer's bf16 weight and bias on an input with no rows (batch 0 for "
+        "the conv), so PyTorch's dispatcher, shape checks and the output allocation but no arithmetic; the stand-in "
+        "for a float layer's host time without its one kernel launch.",
+        "chosen config: the eager INT8 call, `int8_linear` / `int8_conv2d` on the triton backend, every kernel "
+        "launched with the config its autotuner chose, the JIT launch itself replaced by a stand-in that only works "
+        "out the grid: the pack's Python, the output allocations, the grids and Triton's autotuner wrapper. "
+        f"Its input holds tokens / {ROWS_PER_TOKEN_BLOCK} rows (nothing runs on them). kernel launches: per call.",
+        "Q, K, V of one input: the three projections of one self-attention call, bias-free as in ComfyUI's "
+        "CrossAttention, sharing one quantized input where the code does (`kernels.shared_rows`): 4 launches, "
+        "where each projection quantizing its own input takes 6.",
         "The conv has 64 channels: on CPU tensors the kernels' weight cache checksums the conv's weight rows at "
         "every call, which it does not on a GPU; the Python path does not depend on the channel count.",
-        "Not in these figures: the JIT launch itself (about 11-15 us per kernel in Triton 3.x by Triton's own "
-        "reports) and the GPU's time; the whole host time per call on an H200 is in "
-        "bench/results/gpu_h200_run3/gpu_int8_breakdown.md (122-194 us per INT8 Linear in the third H200 run). The "
-        "same bench on the code of another commit: run this file from a checkout of that commit (how "
-        "launch_overhead_9cb6b5e.md was made).",
+        f"Median of {args.rounds} rounds of {args.calls} calls per side, the two sides interleaved.",
+        "Not in these figures: the launches a GPU adds (one for the float layer; one per INT8 kernel, about 11-15 us "
+        "each in Triton 3.x by Triton's own reports) and the GPU's time. The whole host time per call on an H200 is "
+        "in bench/results/gpu_h200_run3/gpu_int8_breakdown.md (the code of that run: 21-23 us for F.linear, "
+        "122-194 us per INT8 Linear).",
     ]
-    write_table(args.out, "Host time of an eager INT8 call, kernels excluded: autotuner vs chosen config",
-                ["call", "kernel launches", "through the autotuner (us)", "chosen config (us)", "saved (us)",
-                 "saved per launch (us)", "ratio"], rows, notes)
-    print(f"geomean ratio {statistics.geometric_mean(ratios):.2f}x")
-    if hasattr(kernels_module, "SharedInput"):
-        _shared_projections(args, g)
+    write_table(args.out, "Host time of an eager INT8 call, kernels excluded, beside a float layer's",
+                ["call", "kernel launches", "float (us)", "chosen config (us)", "INT8 / float"], rows, notes)
+    print(f"geomean INT8 / float {statistics.geometric_mean(ratios):.2f}x")
     return 0
-
-
-def _shared_projections(args: argparse.Namespace, g: torch.Generator) -> None:
-    """The Q, K and V projections of one self-attention input (SDXL's 640 and 1280 widths): each Linear quantizing
-    its own input against the three sharing one quantized input (`kernels.shared_rows`), interleaved."""
-    rows = []
-    _set_path(False)
-    with force_kernel_backend("triton"):
-        for width in (640, 1280):
-            x = torch.randn(8, width, generator=g).to(torch.bfloat16)
-            layers = []
-            for _ in range(3):
-                q_weight = torch.randint(-127, 128, (width, width), generator=g, dtype=torch.int8)
-                w_scale = torch.rand(width, generator=g) / 100
-                prepare_linear(q_weight, w_scale, None)
-                layers.append((q_weight, w_scale, None))
-
-            def each_own(x=x, layers=layers) -> None:
-                for layer in layers:
-                    int8_linear(x, *layer)
-
-            def shared(x=x, layers=layers) -> None:
-                group = kernels_module.SharedRows()
-                for index, layer in enumerate(layers):
-                    int8_linear(x, *layer, shared=kernels_module.SharedInput(group, index == 0, index == 2))
-
-            samples: dict[str, list[float]] = {"own": [], "shared": []}
-            for _ in range(args.rounds):
-                samples["own"].append(_per_call_us(each_own, args.calls // 3))
-                samples["shared"].append(_per_call_us(shared, args.calls // 3))
-            own, together = (statistics.median(samples[side]) for side in ("own", "shared"))
-            rows.append([f"Q, K, V projections {width} -> {width}", "6 / 4", f"{own:.1f}", f"{together:.1f}",
-                         f"{own - together:.1f}", f"{own / together:.2f}x"])
-    write_table(args.out, "The three projections of one self-attention input: each quantizing vs sharing",
-                ["calls", "kernel launches (each / shared)", "each its own quantizer (us)", "one shared (us)",
-                 "saved (us)", "ratio"], rows,
-                ["Host us for the three eager INT8 Linear calls together, kernels excluded as above, chosen-config "
-                 f"launches; median of {args.rounds} rounds, the two sides interleaved. Sharing also leaves out two "
-                 "quantizer kernels' GPU time, which these figures do not contain."], append=True)
 
 
 if __name__ == "__main__":
