@@ -39,6 +39,24 @@ def quantizer_calls(monkeypatch) -> list[tuple[int, ...]]:
     return calls
 
 
+@pytest.fixture
+def launches(monkeypatch) -> list[str]:
+    """The names of the autotuned Triton kernels launched while the test runs (under Triton's interpreter)."""
+    from comfyui_int8_accel.kernels import triton_kernels
+
+    if not triton_kernels.AVAILABLE or not triton_kernels.INTERPRETED:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
+    names: list[str] = []
+    autotuned_run = triton_kernels.ChosenConfigAutotuner.run
+
+    def counting_run(self, *args, **kwargs):
+        names.append(self.base_fn.__name__)
+        return autotuned_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels.ChosenConfigAutotuner, "run", counting_run)
+    return names
+
+
 def _group(size: int) -> list[SharedInput]:
     rows = SharedRows()
     return [SharedInput(rows, first=i == 0, last=i == size - 1) for i in range(size)]
@@ -130,19 +148,7 @@ def test_cross_attention_projections_in_int8_share_their_input_inside_the_model(
     assert all(torch.equal(a, b) for a, b in zip(unshared, shared, strict=True))
 
 
-def test_the_triton_backend_launches_one_quantizer_for_three_projections(monkeypatch):
-    from comfyui_int8_accel.kernels import triton_kernels
-
-    if not triton_kernels.AVAILABLE or not triton_kernels.INTERPRETED:
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
-    launches: list[str] = []
-    autotuned_run = triton_kernels.ChosenConfigAutotuner.run
-
-    def counting_run(self, *args, **kwargs):
-        launches.append(self.base_fn.__name__)
-        return autotuned_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(triton_kernels.ChosenConfigAutotuner, "run", counting_run)
+def test_the_triton_backend_launches_one_quantizer_for_three_projections(launches):
     layers = [_weights(40, 64, seed) for seed in range(3)]
     x = torch.randn(24, 64)
     with force_kernel_backend("triton"), torch.inference_mode():
@@ -209,25 +215,15 @@ def _attention_with_int8_projections(query_dim: int, heads: int, dim_head: int, 
     return root, replacements
 
 
-def test_sdxl_self_attention_on_the_triton_backend_launches_one_quantizer_for_q_k_and_v(monkeypatch, quant):
+def test_sdxl_self_attention_on_the_triton_backend_launches_one_quantizer_for_q_k_and_v(monkeypatch, quant,
+                                                                                        launches):
     """An SDXL-width self-attention (640 = 10 heads of 64) through ComfyUI's CrossAttention on the triton backend
     under the interpreter, counting kernel launches: with its projections grouped, the three INT8 projections launch
     one row quantizer and three GEMMs, where ungrouped they launch three and three; the output is the same bit for
     bit."""
-    from comfyui_int8_accel.kernels import triton_kernels
     from comfyui_int8_accel.nodes.int8.layout import swapped_modules
     from comfyui_int8_accel.nodes.int8.shared_inputs import assign_shared_inputs
 
-    if not triton_kernels.AVAILABLE or not triton_kernels.INTERPRETED:
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
-    launches: list[str] = []
-    autotuned_run = triton_kernels.ChosenConfigAutotuner.run
-
-    def counting_run(self, *args, **kwargs):
-        launches.append(self.base_fn.__name__)
-        return autotuned_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(triton_kernels.ChosenConfigAutotuner, "run", counting_run)
     monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "fused")  # the GEMM Hopper runs: one launch per projection
     root, replacements = _attention_with_int8_projections(640, heads=10, dim_head=64)
     x = torch.randn(1, 24, 640)
