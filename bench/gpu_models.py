@@ -142,6 +142,9 @@ VARIANTS = (
             compile_mode="reduce-overhead"),
     Variant("INT8 + DeepCache + Compile Model (stack)", int8=True, deepcache=True, compile=True),
     Variant("Quantize Model (INT8)", int8=True),
+    # the A/B of the row above: the INT8 layers' float weights kept on the GPU beside their INT8 copies
+    Variant("Quantize Model (INT8), float weights kept on the GPU", int8=True,
+            env=(("INT8_ACCEL_KEEP_FLOAT_WEIGHTS", "1"),)),
     Variant("DeepCache", deepcache=True),
     # the persistent TMA GEMM (Hopper), against the fused GEMM of the row above
     Variant("Quantize Model (INT8), persistent TMA GEMM", int8=True, env=(("INT8_ACCEL_TRITON_LINEAR", "fused-tma"),)),
@@ -264,6 +267,9 @@ def _apply(base, variant: Variant):
     model = base
     if variant.int8:
         model = quant.apply_int8(model, quant.settings_from_widgets())[0]
+        # The bench builds models on the GPU and keeps them there when "offloaded"; a user's ComfyUI offloads to
+        # system memory, where the INT8 layers' float weights go (INT8_ACCEL_KEEP_FLOAT_WEIGHTS=1 keeps them).
+        model.offload_device = torch.device("cpu")
     if variant.deepcache:
         model = deepcache.apply_deepcache(model, cache_interval=3, cache_depth=1)
     if variant.compile:

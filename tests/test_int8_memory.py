@@ -9,6 +9,7 @@ import torch
 
 from comfyui_int8_accel.kernels import record_calls
 from harness.tiny_models import build_tiny_model, sample
+from tests.support import comfy038
 from tests.support.int8_checks import ALL_INT8
 
 
@@ -201,7 +202,7 @@ def test_dynamic_vram_load_keeps_the_int8_copies_resident_counted_and_freed_on_u
     gpu = torch.device("meta")
 
     def dynamic_load():
-        _emulated_dynamic_load(out, gpu)
+        comfy038.emulated_dynamic_load(out, gpu)
 
     names = list(find_candidates(out.model.diffusion_model))
     dynamic_load()
@@ -231,13 +232,12 @@ def test_dynamic_vram_partial_unload_frees_the_int8_copies_it_reports_freed(comf
     Emulated as the test above (the meta device as the GPU)."""
 
     from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
-    from tests.support import comfy038
 
     base = build_tiny_model("sd15")
     out, plan = _quantized(quant, base)
     comfy038.make_dynamic(out, monkeypatch)
     gpu = torch.device("meta")
-    _emulated_dynamic_load(out, gpu)
+    comfy038.emulated_dynamic_load(out, gpu)
     copies = plan._int8_modules(out.model, list(find_candidates(out.model.diffusion_model)), gpu)
     int8_bytes = sum(int8_module_bytes(layer) for layer in copies.values())
     assert int8_bytes > 0 and out.model.model_loaded_weight_memory == int8_bytes
@@ -270,12 +270,11 @@ def test_dynamic_vram_partial_unload_frees_the_vbar_first_and_the_int8_copies_on
     stay on the device and stay counted (the next step reuses them); where they do not, the copies are freed with
     the backups and the VBAR's bytes and theirs are reported together."""
     from comfyui_int8_accel.nodes.int8.plan import find_candidates, int8_module_bytes
-    from tests.support import comfy038
 
     out, plan = _quantized(quant, build_tiny_model("sd15"))
     comfy038.make_dynamic(out, monkeypatch)
     gpu = torch.device("meta")
-    _emulated_dynamic_load(out, gpu)
+    comfy038.emulated_dynamic_load(out, gpu)
     copies = plan._int8_modules(out.model, list(find_candidates(out.model.diffusion_model)), gpu)
     int8_bytes = sum(int8_module_bytes(layer) for layer in copies.values())
     request = int8_bytes // 2
@@ -301,7 +300,6 @@ def test_dynamic_vram_prompts_keep_their_int8_copies_until_a_partial_unload(comf
     from types import SimpleNamespace
 
     from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates, int8_module_bytes
-    from tests.support import comfy038
 
     base = build_tiny_model("sd15")
     out, plan = _quantized(quant, base)
@@ -338,18 +336,3 @@ def test_dynamic_vram_prompts_keep_their_int8_copies_until_a_partial_unload(comf
         assert not plan._modules and out.model.model_loaded_weight_memory == loaded - int8_bytes
     finally:
         comfy038.dynamic_unpatch_model(out)
-
-
-def _emulated_dynamic_load(out, gpu: torch.device) -> None:
-    """What dynamic VRAM's load leaves on the model for the INT8 plan: every cast layer streamed
-    (`comfy_cast_weights`, no per-layer patches), the model on `gpu` with nothing counted yet, then ON_LOAD."""
-    from comfy.patcher_extension import CallbacksMP
-
-    for module in out.model.modules():
-        if hasattr(module, "comfy_cast_weights"):
-            module.comfy_cast_weights = True
-            module.weight_function, module.bias_function = [], []
-    out.model.device, out.model.model_loaded_weight_memory = gpu, 0
-    out.model.current_weight_patches_uuid = out.patches_uuid
-    for callback in out.get_all_callbacks(CallbacksMP.ON_LOAD):
-        callback(out, gpu, 0, False, False)

@@ -14,6 +14,7 @@ again whenever the weight patches change.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -58,6 +59,15 @@ from .calibration import (
 )
 from .core_layers import core_layer_source, core_layers_left, core_linear_format
 from .environment import speed_gate_enabled
+from .float_offload import (
+    can_hold_off,
+    float_placement,
+    hold_off,
+    holds_floats_off,
+    install_load,
+    is_held_off,
+    is_loaded,
+)
 from .layout import CandidateCache, find_candidates, module_at, swapped_modules
 from .layout import canonical_name as canonical_name  # where the save node and tests import it from
 from .modules import Int8Conv2d, Int8Linear
@@ -113,11 +123,13 @@ class ModelCopies:
         self.state: tuple | None = None
         self.markers: dict[str, Int8CopyMarker] = {}
         self.float_size: int | None = None
-        self.int8_size: tuple[tuple[str, ...], int] | None = None  # (layer names, their INT8 copies' bytes)
+        # ((layer names, floats held off), their INT8 copies' bytes, their float layers' bytes held in system memory)
+        self.int8_size: tuple | None = None
         self.last_swap: tuple | None = None  # ((names, device, bypass), {path: copy}, [(name, copy)]) of the last call
         # The model's ModelPatcher.backup (shared by its clones) where its patcher frees memory by restoring it
         # (dynamic VRAM), else None.
         self.backup: dict | None = None
+        self.holding_floats = False  # some chosen float layer was put in system memory (float_offload.py)
 
     def release(self, name: str) -> int:
         """Drop the INT8 copy of layer `name` (ComfyUI moved its float layer); rebuilt on its next call."""
@@ -158,6 +170,7 @@ class Int8Plan:
         self._last_copies = ModelCopies()  # those of the model that ran last (what `_modules` shows)
         self._calibration_lock = threading.Lock()  # one calibration per key, whichever device's thread comes first
         self._candidates = CandidateCache()
+        self._deferred_loads: set[int] = set()  # models whose load runs with held-off layers taken out
 
     @property
     def _modules(self) -> dict[str, torch.nn.Module]:
@@ -183,6 +196,38 @@ class Int8Plan:
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY, self.apply_model)
         patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, WRAPPER_KEY, self.on_detach)
         patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, WRAPPER_KEY, self.on_load)
+        patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_CLONE, WRAPPER_KEY, self.on_clone)
+        install_load(patcher)
+
+    @staticmethod
+    def on_clone(patcher, clone) -> None:
+        install_load(clone)  # a clone (LoRA, another node) loads as this MODEL does
+
+    def layers_to_hold_off(self, patcher, device_to) -> dict[str, tuple[str, torch.nn.Module]]:
+        """{name: (path, float layer)} of the layers a load of `patcher` onto `device_to` leaves in system memory:
+        those the plan's last calibration put in INT8 (none before the first), where ComfyUI can cast them."""
+        result = self.last_result or self.shown_result
+        if result is None or device_to is None or not holds_floats_off(patcher) or \
+                torch.device(device_to) == torch.device(patcher.offload_device):
+            return {}
+        root = patcher.model.diffusion_model
+        candidates = self._candidates.get(root)
+        held = {}
+        for name in result.chosen:
+            if name in candidates:
+                module = module_at(root, candidates[name][0])
+                if can_hold_off(module):
+                    held[name] = (candidates[name][0], module)
+        return held
+
+    @contextlib.contextmanager
+    def deferring_on_load(self, patcher):
+        """ComfyUI's load runs with the held-off layers taken out: the plan's ON_LOAD waits until they are back."""
+        self._deferred_loads.add(id(patcher.model))
+        try:
+            yield
+        finally:
+            self._deferred_loads.discard(id(patcher.model))
 
     def on_detach(self, patcher, unpatch_all: bool = True) -> None:
         """ComfyUI unloaded the model: drop its INT8 modules too (rebuilt from the live weights when it runs).
@@ -231,7 +276,7 @@ class Int8Plan:
         if self.shown_result is not None:
             root = patcher.model.diffusion_model
             return format_report(self.shown_result, self.settings, layer_weight_bytes(root, self.shown_result),
-                                 from_cache=True)
+                                 from_cache=True, float_placement=float_placement(patcher))
         kinds = {kind: sum(1 for _, k in candidates.values() if k == kind) for kind in ("linear", "conv")}
         return (f"INT8 calibration pending: it runs on the first sampling step with the real inputs "
                 f"({kinds['linear']} Linear and {kinds['conv']} Conv2d candidates). Its summary shows on the "
@@ -302,8 +347,12 @@ class Int8Plan:
         root = self._fresh_module_cache(base_model)
         copies = self.copies_of(base_model)
         request = (tuple(names), device, bypass)
+        patcher = getattr(base_model, "current_patcher", None)
+        hold = patcher is not None and holds_floats_off(patcher) and \
+            torch.device(device) != torch.device(patcher.offload_device)
         last = copies.last_swap
-        if last is not None and last[0] == request and all(copies.modules.get(name) is layer for name, layer in last[2]):
+        if last is not None and last[0] == request and all(copies.modules.get(name) is layer for name, layer in last[2]) \
+                and not (copies.holding_floats and not base_model.model_lowvram):
             return last[1]  # the same copies as the previous call, already placed and tracked
         candidates = self._candidates.get(root)
         out, placed = {}, []
@@ -319,6 +368,8 @@ class Int8Plan:
             layer = self._placed_copy(copies, name, device)
             if layer is None:
                 layer = copies.modules[name] = self._copy_for_device(float_module, kind, device)
+            if hold:
+                self._hold_off(patcher, copies, name, float_module)
             self._track(base_model, copies, name, float_module, layer)
             follow_bypass(float_module, layer)
             out[path] = layer
@@ -326,6 +377,13 @@ class Int8Plan:
         assign_shared_inputs(root, out)
         copies.last_swap = (request, out, placed)
         return out
+
+    @staticmethod
+    def _hold_off(patcher, copies: ModelCopies, name: str, float_module: torch.nn.Module) -> None:
+        """Float layer `name`, whose INT8 copy runs, leaves the computing device if ComfyUI loaded it there."""
+        if can_hold_off(float_module) and (is_loaded(float_module) or not is_held_off(float_module)):
+            patcher.model.model_loaded_weight_memory -= hold_off(patcher, name, float_module)
+            copies.holding_floats = True
 
     @staticmethod
     def _placed_copy(copies: ModelCopies, name: str, device: torch.device | None):
@@ -346,20 +404,30 @@ class Int8Plan:
             layer = layer.to(device, non_blocking=comfy.model_management.device_supports_non_blocking(device))
         return layer
 
-    def on_load(self, patcher, device_to, lowvram_model_memory, force_patch_weights, full_load) -> None:
+    def on_load(self, patcher, device_to, lowvram_model_memory, force_patch_weights, full_load,
+                whole_size_counted: bool | None = None) -> None:
         """ComfyUI (re)loaded the model: its count holds the float weights only, and the load rewrote every layer's
-        function lists; count the INT8 copies that stay, where they stay, and tie them to their layers again."""
+        function lists; count the INT8 copies that stay, where they stay, and tie them to their layers again.
+        `whole_size_counted`: ComfyUI counted `model_size()` as loaded (a full load; default: read off the model)."""
         base_model = patcher.model
+        if id(base_model) in self._deferred_loads:
+            return
         copies = self.copies_of(base_model)
         copies.backup = restorable_backup(patcher)
-        if full_load and not base_model.model_lowvram:  # ComfyUI counted model_size(), INT8 copies included
-            base_model.model_loaded_weight_memory = copies.float_size or patcher.model_size()
-        for marker in copies.markers.values():  # the load reset the model's loaded memory
-            marker.forget()
+        if whole_size_counted is None:
+            whole_size_counted = full_load and not base_model.model_lowvram
         root = self._fresh_module_cache(base_model)
         self._candidates.forget()  # the load applied ComfyUI's object patches, which may replace modules
-        copies.int8_size = copies.last_swap = None
         candidates = self._candidates.get(root)
+        held = [module_at(root, path) for path, _ in candidates.values()]
+        held = [module for module in held if is_held_off(module)]
+        copies.holding_floats = bool(held)
+        if whole_size_counted:  # ComfyUI counted model_size(), INT8 copies and held-off layers included
+            base_model.model_loaded_weight_memory = (copies.float_size or float_model_size(patcher)) - sum(
+                comfy.model_management.module_size(module) for module in held)
+        for marker in copies.markers.values():  # the load reset the model's loaded memory
+            marker.forget()
+        copies.int8_size = copies.last_swap = None
         for name in list(copies.modules):
             if name not in candidates:
                 continue
@@ -399,20 +467,23 @@ class Int8Plan:
         self._uncount(base_model, [marker for name, marker in copies.markers.items() if name not in copies.modules])
 
     def _report_size(self, patcher, names: list[str]) -> None:
-        """Make `patcher.model_size()` (what ComfyUI plans loads and frees memory with) include the INT8 copies
-        of `names` on top of the float weights, which stay loaded alongside them."""
+        """Make `patcher.model_size()` (what ComfyUI plans loads and frees memory with) the model as it sits on the
+        computing device: the INT8 copies of `names` in, their float layers out where they stay in system memory
+        (float_offload.py), beside them where they stay loaded."""
         if patcher is None:
             return
         copies = self.copies_of(patcher.model)
         names = tuple(names)
-        if copies.int8_size is None or copies.int8_size[0] != names:
+        hold = holds_floats_off(patcher)
+        if copies.int8_size is None or copies.int8_size[0] != (names, hold):
             root = unwrap_compiled(patcher.model.diffusion_model)
             candidates = self._candidates.get(root)
-            copies.int8_size = (names, sum(int8_copy_bytes(module_at(root, candidates[name][0]))
-                                           for name in names if name in candidates))
+            layers = [module_at(root, candidates[name][0]) for name in names if name in candidates]
+            held = sum(comfy.model_management.module_size(layer) for layer in layers if hold and can_hold_off(layer))
+            copies.int8_size = ((names, hold), sum(int8_copy_bytes(layer) for layer in layers), held)
         if copies.float_size is None:
             copies.float_size = float_model_size(patcher)
-        patcher.size = copies.float_size + copies.int8_size[1]
+        patcher.size = copies.float_size - copies.int8_size[2] + copies.int8_size[1]
 
     def _fresh_module_cache(self, base_model) -> torch.nn.Module:
         """Drop the INT8 modules when the live weights changed (another model, or other weight patches)."""
@@ -465,7 +536,10 @@ class Int8Plan:
         copies = self.copies_of(base_model)
         candidates = self._candidates.get(root)  # the same walk the checking step's swap uses
         measurements: dict[str, LayerMeasurement] = {}
-        memory = {"kept": 0, "peak": 0}
+        memory = {"kept": 0, "peak": 0, "held": 0}  # INT8 copies kept, float layers held off, the peak of the two
+        patcher = getattr(base_model, "current_patcher", None)
+        hold = patcher is not None and holds_floats_off(patcher) and \
+            torch.device(args[0].device) != torch.device(patcher.offload_device)
         gate, timings, remeasure_budget = speed_gate_enabled(), {}, RemeasureBudget()
         progress = comfy.utils.ProgressBar(len(candidates))
         log.info("int8-accel: calibrating %d layers on the first step (latent %s)", len(candidates),
@@ -482,7 +556,7 @@ class Int8Plan:
                 def measure_error() -> float:
                     layer = copies.modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
                     int8_copy.append(layer)
-                    memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
+                    memory["peak"] = max(memory["peak"], memory["kept"] - memory["held"] + int8_module_bytes(layer))
                     # A bypass-mode LoRA adds the same term to the float and the INT8 output: compare the layers'
                     # own outputs (the copy's class forward leaves out the LoRA it follows).
                     bypass = bypass_hook(module)
@@ -509,6 +583,9 @@ class Int8Plan:
                 if decide(row, self.settings, measure_error, time_calls) == INT8:
                     copies.modules[name] = int8_copy[0]
                     memory["kept"] += int8_module_bytes(int8_copy[0])
+                    if hold and can_hold_off(module):  # its float weight is not needed on the device from now on
+                        memory["held"] += comfy.model_management.module_size(module)
+                        self._hold_off(patcher, copies, name, module)
                 int8_copy.clear()
                 measurements[name] = row
                 progress.update(1)
@@ -590,13 +667,15 @@ class Int8Plan:
         return swapped_output, normalized_mse(swapped_output, reference), (int8_flops / total if total else 0.0)
 
     def _publish(self, result: CalibrationResult, base_model, fingerprint: str, save: bool) -> None:
-        report = format_report(result, self.settings, layer_weight_bytes(base_model.diffusion_model, result),
-                               from_cache=not save)
+        patcher = getattr(base_model, "current_patcher", None)
+        placement = None if patcher is None else float_placement(patcher)
+        weight_bytes = layer_weight_bytes(base_model.diffusion_model, result)
+        report = format_report(result, self.settings, weight_bytes, from_cache=not save, float_placement=placement)
         self.last_report, self.last_result = report, result
         if save:
             save_result(result, fingerprint, self.settings)
             log.info("int8-accel:\n%s", report)
-            summary = summary_line(result, from_cache=False)
+            summary = summary_line(result, False, placement, sum(weight_bytes.get(name, 0) for name in result.chosen))
             show_on_node(summary + "\n\nQueue the prompt again to see the per-layer table and the decision "
                          "picture.", self.node_id)
             if self.node_id is not None:

@@ -25,7 +25,18 @@ def int8_layer_speedup(result: CalibrationResult) -> float | None:
     return sum(layer.float_ms for layer in timed) / int8_ms if int8_ms else None
 
 
-def summary_line(result: CalibrationResult, from_cache: bool) -> str:
+def memory_part(result: CalibrationResult, float_placement: str | None, float_bytes: int | None) -> str:
+    """The summary's memory part. `float_placement`: "" when the INT8 layers' float weights stay in system memory,
+    else why they stay on the computing device (None: not known here); `float_bytes`: those float weights' bytes."""
+    int8_mib = result.memory.get("int8_bytes", 0) / MIB
+    if float_placement == "" and float_bytes is not None:
+        return (f"VRAM -{(float_bytes / MIB - int8_mib):.1f} MiB (INT8 layers {int8_mib:.1f} MiB on the device, "
+                f"their {float_bytes / MIB:.1f} MiB of float weights in system memory)")
+    return f"memory +{int8_mib:.1f} MiB" + (f" (float weights {float_placement})" if float_placement else "")
+
+
+def summary_line(result: CalibrationResult, from_cache: bool, float_placement: str | None = None,
+                 float_bytes: int | None = None) -> str:
     """One line: layers in INT8, FLOP share, INT8 layer speed-up, whole-model error, memory, kernels, provenance."""
     chosen = [layer for layer in result.layers if layer.quantized]
     counts = {kind: sum(1 for layer in chosen if layer.kind == kind) for kind in ("linear", "conv")}
@@ -40,7 +51,7 @@ def summary_line(result: CalibrationResult, from_cache: bool) -> str:
         "whole-model output norm. MSE " + ("-" if result.model_error is None else f"{result.model_error:.2e}"),
     ]
     if result.memory:
-        parts.append(f"memory +{result.memory.get('int8_bytes', 0) / MIB:.1f} MiB")
+        parts.append(memory_part(result, float_placement, float_bytes))
     bits = f", {result.weight_bits}-bit weights" if result.weight_bits else ""
     passed_over = "".join(f" ({name} unavailable)" for name in result.kernel_backend_fallback)
     kernels = [f"{result.linear_gemm} Linear GEMM"] if result.linear_gemm else []
@@ -87,17 +98,19 @@ def _launch_cost_part(result: CalibrationResult, timed: int, slower: int) -> str
 
 
 def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_bytes: dict[str, int],
-                  from_cache: bool = False) -> str:
-    """The report: summary line, detail paragraphs, per-layer markdown table (`weight_bytes`: float bytes per layer)."""
-    paragraphs = [summary_line(result, from_cache), _details_line(result, settings)]
-    paragraphs += [f"{name} kernel backend not used: {why}. The {result.kernel_backend} kernel backend ran the INT8 "
-                   f"layers instead." for name, why in result.kernel_backend_fallback.items()]
+                  from_cache: bool = False, float_placement: str | None = None) -> str:
+    """The report: summary line, detail paragraphs, per-layer markdown table (`weight_bytes`: float bytes per layer;
+    `float_placement`: see `memory_part`)."""
     chosen = [layer for layer in result.layers if layer.quantized]
     float_bytes = sum(weight_bytes.get(layer.name, 0) for layer in chosen)
+    paragraphs = [summary_line(result, from_cache, float_placement, float_bytes), _details_line(result, settings)]
+    paragraphs += [f"{name} kernel backend not used: {why}. The {result.kernel_backend} kernel backend ran the INT8 "
+                   f"layers instead." for name, why in result.kernel_backend_fallback.items()]
     int8_bytes = sum(layer.k * layer.n + 4 * layer.n for layer in chosen)
+    where = ("the float originals wait in system memory, for LoRA and calibration at other sizes"
+             if float_placement == "" else "the float originals stay loaded so LoRA and float layers keep working")
     paragraphs.append(f"weights of the INT8 layers: {float_bytes / MIB:.1f} MiB float -> {int8_bytes / MIB:.1f} MiB "
-                      f"INT8 ({(float_bytes - int8_bytes) / MIB:.1f} MiB smaller; the float originals stay loaded so "
-                      f"LoRA and float layers keep working)")
+                      f"INT8 ({(float_bytes - int8_bytes) / MIB:.1f} MiB smaller; {where})")
     if result.model_guard:
         guard = result.model_guard
         now = "-" if result.model_error is None else f"{result.model_error:.2e}"
@@ -119,11 +132,18 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
             + _timing_conditions(timed) + _launch_cost_part(result, len(timed), slower))
     if result.memory:
         mib = {name: value / MIB for name, value in result.memory.items()}
+        if float_placement == "":
+            placed = (f"the INT8 layers take {mib['int8_bytes']:.1f} MiB on the computing device in place of their "
+                      f"{float_bytes / MIB:.1f} MiB of float weights, which ComfyUI keeps in system memory as it keeps "
+                      f"offloaded layers (for LoRA and calibration at other sizes): "
+                      f"{(float_bytes / MIB - mib['int8_bytes']):.1f} MiB of VRAM taken away")
+        else:
+            placed = (f"on-the-fly INT8 adds {mib['int8_bytes']:.1f} MiB of INT8 layers while the model is loaded "
+                      f"(float weights {float_placement or 'stay loaded'}; dropped when ComfyUI unloads the model)")
         paragraphs.append(
-            f"memory: diffusion-model weights {mib['model_float_bytes']:.1f} MiB in float; on-the-fly INT8 adds "
-            f"{mib['int8_bytes']:.1f} MiB of INT8 layers while the model is loaded (the float weights stay, for "
-            f"LoRA and the float layers; dropped when ComfyUI unloads the model); calibration held at most "
-            f"{mib['calibration_peak_int8_bytes']:.1f} MiB of INT8 copies (one layer at a time)")
+            f"memory: diffusion-model weights {mib['model_float_bytes']:.1f} MiB in float; {placed}; calibration "
+            f"added at most {mib['calibration_peak_int8_bytes']:.1f} MiB over the float model (one layer's copy at "
+            f"a time)")
     if result.kernel_calls:
         paragraphs.append(
             f"kernels: {result.kernel_backend} kernel backend; in the checking step "

@@ -453,3 +453,18 @@ def model_call(patcher, monkeypatch, kind: str = "sd15", size: int = 16, dynamic
             with record_calls() as counted:
                 out = patcher.model.apply_model(x, t, transformer_options={"wrappers": patcher.wrappers}, **cond)
     return out, sum(n for (op, backend, path), n in counted.items() if path == "int8")
+
+
+def emulated_dynamic_load(out, gpu: torch.device) -> None:
+    """What dynamic VRAM's load leaves on the model for the INT8 plan: every cast layer streamed
+    (`comfy_cast_weights`, no per-layer patches), the model on `gpu` with nothing counted yet, then ON_LOAD."""
+    from comfy.patcher_extension import CallbacksMP
+
+    for module in out.model.modules():
+        if hasattr(module, "comfy_cast_weights"):
+            module.comfy_cast_weights = True
+            module.weight_function, module.bias_function = [], []
+    out.model.device, out.model.model_loaded_weight_memory = gpu, 0
+    out.model.current_weight_patches_uuid = out.patches_uuid
+    for callback in out.get_all_callbacks(CallbacksMP.ON_LOAD):
+        callback(out, gpu, 0, False, False)
