@@ -249,3 +249,27 @@ def test_calibration_adds_at_most_one_layer_copy_and_the_report_shows_the_vram_t
     summary, *paragraphs = plan.last_report.split("\n\n")
     assert "VRAM -" in summary and "float weights in system memory" in summary
     assert any(paragraph.startswith("memory:") and "of VRAM taken away" in paragraph for paragraph in paragraphs)
+
+
+def test_dynamic_vram_never_streams_an_int8_layers_float_weight_after_calibration(comfy_root, quant, monkeypatch):
+    """Under 0.38.1's dynamic-VRAM load (`comfy038.dynamic_vram_load`: big layers get a VBAR slot and stream their
+    weight in the cast inside their own forward), the float layers of the INT8 layers run only in the calibrating
+    call: in the calls after it their forward, where the stream would happen, is never entered."""
+    base = build_tiny_model("sd15")
+    out, plan = _quantized(quant, base)
+    comfy038.make_dynamic(out, monkeypatch)
+    from comfyui_int8_accel.nodes.int8.layout import find_candidates
+
+    root = out.model.diffusion_model
+    entered: dict[str, int] = {}
+    handles = [root.get_submodule(path).register_forward_pre_hook(
+        lambda module, args, name=name: entered.__setitem__(name, entered.get(name, 0) + 1))
+        for name, (path, _) in find_candidates(root).items()]
+    try:
+        _, int8_calls = comfy038.model_call(out, monkeypatch, calls=3)
+    finally:
+        for handle in handles:
+            handle.remove()
+    chosen = plan.last_result.chosen
+    assert chosen and int8_calls > 0
+    assert all(entered.get(name) == 1 for name in chosen), {name: entered.get(name) for name in chosen}
