@@ -273,3 +273,29 @@ def test_dynamic_vram_never_streams_an_int8_layers_float_weight_after_calibratio
     chosen = plan.last_result.chosen
     assert chosen and int8_calls > 0
     assert all(entered.get(name) == 1 for name in chosen), {name: entered.get(name) for name in chosen}
+
+
+def test_compile_model_keeps_its_blocks_compiled_on_held_float_weights(comfy_root, quant, monkeypatch):
+    """Compile Model over an INT8 MODEL whose float weights are held in system memory (their layers are ComfyUI
+    offloaded layers, which a compiled block must not run): the INT8 copies are what the blocks run, so after the
+    calibrating prompt no block call runs eagerly and the output matches the uncompiled INT8 model's."""
+    import importlib
+
+    from comfyui_int8_accel.nodes.compile import blocks
+    from comfyui_int8_accel.nodes.int8.float_offload import is_held_off
+    from tests.support.counting_backend import COUNTING, register_counting_backend
+
+    cm = importlib.import_module("comfyui_int8_accel.nodes.compile")
+    register_counting_backend()
+    torch._dynamo.reset()
+    base = _shared_memory_base()
+    out, plan = _quantized(quant, base)
+    eager = sample(out, "sd15", steps=2)
+    compiled = cm.compile_model(out, cm.CompileSettings(backend=COUNTING, dynamic="false"), strategy="blocks")
+    reasons = []
+    reason_of = blocks.block_eager_reason
+    monkeypatch.setattr(blocks, "block_eager_reason", lambda block: reasons.append(reason_of(block)) or reasons[-1])
+    again = sample(compiled, "sd15", steps=2)
+    assert all(is_held_off(module) for module in _chosen_layers(plan, out).values())
+    assert reasons and set(reasons) == {None}
+    assert rel(again, eager) < 1e-4
