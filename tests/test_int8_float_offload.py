@@ -101,19 +101,31 @@ def _plain_bytes_on_meta(lowvram_model_memory: int) -> int:
     return on_device
 
 
+@pytest.fixture(params=["0.3.75", "0.38.1"])
+def comfy_load(request, comfy_root, monkeypatch) -> str:
+    """ModelPatcher.load as the running 0.3.75 has it, or 0.38.1's (`comfy038.classic_load`) swapped in."""
+    if request.param == "0.38.1":
+        import comfy.model_patcher
+
+        monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "load", comfy038.classic_load)
+    return request.param
+
+
 @pytest.mark.parametrize("load", ["full", "low-vram"])
-def test_a_load_leaves_the_int8_layers_float_weights_in_system_memory(comfy_root, quant, load):
+def test_a_load_leaves_the_int8_layers_float_weights_in_system_memory(comfy_root, quant, load, comfy_load):
     """A full load and a low-VRAM load (60% of the model) onto the computing device: the float layers of the INT8
     layers stay in system memory as ComfyUI's offloaded layers; the device holds the other float layers and the
     INT8 copies, and ComfyUI's loaded count and planned size say exactly that. A full load is under plain by more
     than 40% of the INT8 layers' float bytes; the low-VRAM budget that holds part of the plain model holds every
-    other layer of the INT8 one (only the INT8 layers' floats are offloaded), and less than plain put there."""
+    other layer of the INT8 one (only the INT8 layers' floats are offloaded), and less than plain put there. With
+    0.3.75's load and with 0.38.1's."""
     out, plan, float_size = _calibrated_on_cpu(quant)
     budget = 0 if load == "full" else int(0.6 * float_size)
     chosen = _chosen_layers(plan, out)
     copies = _prompt_onto(out, plan, META, budget)
 
     assert set(copies) and all(layer.weight.device == META for layer in copies.values())
+    assert any(hasattr(m, "comfy_force_cast_weights") for m in out.model.modules()) == (comfy_load == "0.38.1")
     assert all(module.weight.device.type == "cpu" and module.comfy_cast_weights for module in chosen.values())
     assert all(hasattr(module, "prev_comfy_cast_weights") for module in chosen.values())  # ComfyUI's offload mark
     on_device = _bytes_on(META, out.model, copies.values())
@@ -205,7 +217,8 @@ def test_held_float_weights_change_no_output_and_lora_strength_still_moves_int8(
     assert torch.equal(sample(out, "sd15", steps=2), held_run)
 
 
-def test_the_plain_branch_stays_bit_identical_and_loaded_and_unload_restores_everything(comfy_root, quant):
+def test_the_plain_branch_stays_bit_identical_and_loaded_and_unload_restores_everything(comfy_root, quant,
+                                                                                        comfy_load):
     """The MODEL another branch uses without INT8 (the same ComfyUI model) computes bit-identically to before and has
     every float layer loaded again; unloading frees the INT8 copies and leaves the float weights as they were, with
     no offload marks left."""

@@ -468,3 +468,119 @@ def emulated_dynamic_load(out, gpu: torch.device) -> None:
     out.model.current_weight_patches_uuid = out.patches_uuid
     for callback in out.get_all_callbacks(CallbacksMP.ON_LOAD):
         callback(out, gpu, 0, False, False)
+
+
+# --- the plain (non-dynamic) ModelPatcher's load: comfy/model_patcher.py, stored copy of commit
+# 08d0e510f4e539a1db39072589817136ac6cfa7d (0.38-era) ---------------------------------------------------------------
+
+def _classic_load_list(patcher) -> list:
+    """`ModelPatcher._load_list()` (0.38.1, `for_dynamic=False`, no `default_device`): per module with weights,
+    (offload cost, size, name, module, {param name: param}), the offload cost counting a LoRA's estimate."""
+    import comfy.model_management
+    import comfy.model_patcher
+
+    loading = []
+    for n, m in patcher.model.named_modules():
+        params = dict(m.named_parameters(recurse=False))
+        if any(name not in params for name, _ in m.named_parameters(recurse=True)):
+            continue  # random weights in non-leaf modules
+        if hasattr(m, "comfy_cast_weights") or params:
+            module_mem = comfy.model_management.module_size(m)
+            offload_mem = module_mem
+            if hasattr(m, "comfy_cast_weights"):
+                for key in (f"{n}.weight", f"{n}.bias"):
+                    if key in patcher.patches:
+                        offload_mem += comfy.model_patcher.low_vram_patch_estimate_vram(patcher.model, key)
+            loading.append((offload_mem, module_mem, n, m, params))
+    return loading
+
+
+def classic_load(patcher, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
+    """`ModelPatcher.load` (0.38.1) in its order: the offload buffer looks `NUM_STREAMS` modules ahead; a LoRA whose
+    result changes the tensor's shape (`comfy.lora.calculate_shape`) is merged even into an offloaded layer; every
+    layer gets `comfy_force_cast_weights`; a loaded layer's parameters are patched one by one; the rest as 0.3.75's.
+    The pinned-memory and CUDA synchronisation steps are left out (no GPU here)."""
+    import comfy.lora
+    import comfy.model_management
+    import comfy.model_patcher
+    from comfy.patcher_extension import CallbacksMP
+
+    calculate_shape = getattr(comfy.lora, "calculate_shape", lambda patches, weight, key: weight.shape)
+    with patcher.use_ejected():
+        patcher.unpatch_hooks()
+        mem_counter = patch_counter = lowvram_counter = 0
+        loading = _classic_load_list(patcher)
+        load_completely, offload_buffer = [], 0
+        loading.sort(key=lambda entry: entry[:3], reverse=True)
+        for i, (module_offload_mem, module_mem, n, m, params) in enumerate(loading):
+            lowvram_weight = False
+            ahead = sum(entry[1] for entry in loading[i + 1:i + 1 + comfy.model_management.NUM_STREAMS])
+            potential_offload = max(offload_buffer, module_offload_mem + ahead)
+            lowvram_fits = mem_counter + module_mem + potential_offload < lowvram_model_memory
+            weight_key, bias_key = f"{n}.weight", f"{n}.bias"
+            if not full_load and hasattr(m, "comfy_cast_weights") and not lowvram_fits:
+                offload_buffer = potential_offload
+                lowvram_weight = True
+                lowvram_counter += 1
+                if hasattr(m, "prev_comfy_cast_weights"):
+                    continue
+            cast_weight = patcher.force_cast_weights
+            m.comfy_force_cast_weights = patcher.force_cast_weights
+            if lowvram_weight:
+                if hasattr(m, "comfy_cast_weights"):
+                    m.weight_function, m.bias_function = [], []
+                for key, name in ((weight_key, "weight"), (bias_key, "bias")):
+                    if key in patcher.patches:
+                        tensor = getattr(m, name)
+                        if force_patch_weights or calculate_shape(patcher.patches[key], tensor, key) != tensor.shape:
+                            patcher.patch_weight_to_device(key)
+                        else:
+                            _, set_func, convert_func = comfy.model_patcher.get_key_weight(patcher.model, key)
+                            setattr(m, f"{name}_function",
+                                    [comfy.model_patcher.LowVramPatch(key, patcher.patches, convert_func, set_func)])
+                            patch_counter += 1
+                cast_weight = True
+            else:
+                if hasattr(m, "comfy_cast_weights"):
+                    comfy.model_patcher.wipe_lowvram_weight(m)
+                if full_load or lowvram_fits:
+                    mem_counter += module_mem
+                    load_completely.append((module_mem, n, m, params))
+                else:
+                    offload_buffer = potential_offload
+            if cast_weight and hasattr(m, "comfy_cast_weights"):
+                m.prev_comfy_cast_weights = m.comfy_cast_weights
+                m.comfy_cast_weights = True
+            if weight_key in patcher.weight_wrapper_patches:
+                m.weight_function.extend(patcher.weight_wrapper_patches[weight_key])
+            if bias_key in patcher.weight_wrapper_patches:
+                m.bias_function.extend(patcher.weight_wrapper_patches[bias_key])
+            mem_counter += comfy.model_patcher.move_weight_functions(m, device_to)
+
+        load_completely.sort(key=lambda entry: entry[:2], reverse=True)
+        for _, n, m, params in load_completely:
+            if getattr(m, "comfy_patched_weights", False) is True:
+                continue
+            for param in params:
+                key = f"{n}.{param}"
+                patcher.unpin_weight(key)
+                patcher.patch_weight_to_device(key, device_to=device_to)
+            m.comfy_patched_weights = True
+        for _, _, m, _ in load_completely:
+            m.to(device_to)
+
+        if lowvram_counter > 0:
+            patcher.model.model_lowvram = True
+        else:
+            patcher.model.model_lowvram = False
+            if full_load:
+                patcher.model.to(device_to)
+                mem_counter = patcher.model_size()
+        patcher.model.lowvram_patch_counter += patch_counter
+        patcher.model.device = device_to
+        patcher.model.model_loaded_weight_memory = mem_counter
+        patcher.model.model_offload_buffer_memory = offload_buffer
+        patcher.model.current_weight_patches_uuid = patcher.patches_uuid
+        for callback in patcher.get_all_callbacks(CallbacksMP.ON_LOAD):
+            callback(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load)
+        patcher.apply_hooks(patcher.forced_hooks, force_apply=True)
