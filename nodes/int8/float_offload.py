@@ -142,11 +142,11 @@ def float_placement(patcher) -> str:
     """Where the float weights of a MODEL's INT8 layers stay, said for the report: "" when in system memory (off the
     computing device), else why they stay where ComfyUI puts them."""
     if os.environ.get(KEEP_FLOAT_WEIGHTS_ENV, "") == "1":
-        return f"kept on the computing device ({KEEP_FLOAT_WEIGHTS_ENV}=1)"
+        return f"float weights kept on the computing device by {KEEP_FLOAT_WEIGHTS_ENV}=1"
     if is_dynamic(patcher):
-        return "streamed by ComfyUI's dynamic VRAM, which never streams a layer whose INT8 copy runs"
+        return "float weights streamed by ComfyUI's dynamic VRAM, which never streams a layer whose INT8 copy runs"
     if not holds_floats_off(patcher):
-        return "the computing device is system memory: nothing to take away"
+        return "float weights in system memory, where the model computes"
     return ""
 
 

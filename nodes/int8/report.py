@@ -32,7 +32,7 @@ def memory_part(result: CalibrationResult, float_placement: str | None, float_by
     if float_placement == "" and float_bytes is not None:
         return (f"VRAM -{(float_bytes / MIB - int8_mib):.1f} MiB (INT8 layers {int8_mib:.1f} MiB on the device, "
                 f"their {float_bytes / MIB:.1f} MiB of float weights in system memory)")
-    return f"memory +{int8_mib:.1f} MiB" + (f" (float weights {float_placement})" if float_placement else "")
+    return f"memory +{int8_mib:.1f} MiB" + (f" ({float_placement})" if float_placement else "")
 
 
 def summary_line(result: CalibrationResult, from_cache: bool, float_placement: str | None = None,
@@ -139,7 +139,7 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
                       f"{(float_bytes / MIB - mib['int8_bytes']):.1f} MiB of VRAM taken away")
         else:
             placed = (f"on-the-fly INT8 adds {mib['int8_bytes']:.1f} MiB of INT8 layers while the model is loaded "
-                      f"(float weights {float_placement or 'stay loaded'}; dropped when ComfyUI unloads the model)")
+                      f"({float_placement or 'float weights stay loaded'}; dropped when ComfyUI unloads the model)")
         paragraphs.append(
             f"memory: diffusion-model weights {mib['model_float_bytes']:.1f} MiB in float; {placed}; calibration "
             f"added at most {mib['calibration_peak_int8_bytes']:.1f} MiB over the float model (one layer's copy at "
