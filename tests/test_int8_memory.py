@@ -336,3 +336,44 @@ def test_dynamic_vram_prompts_keep_their_int8_copies_until_a_partial_unload(comf
         assert not plan._modules and out.model.model_loaded_weight_memory == loaded - int8_bytes
     finally:
         comfy038.dynamic_unpatch_model(out)
+
+
+def _live_int8_layers() -> int:
+    import gc
+
+    from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d, Int8Linear
+
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, (Int8Linear, Int8Conv2d)))
+
+
+def test_a_deleted_int8_model_leaves_no_int8_copies_on_the_shared_model(comfy_root, quant):
+    """The markers that tie INT8 copies to the shared model's float layers hold their MODEL's copies weakly: once an
+    INT8 MODEL is gone (a bench row, a graph edited away), its copies are freed although the model stays loaded; a
+    later INT8 MODEL on the same model holds its own copies only, its markers are its own, and the bytes ComfyUI
+    counts are its copies'. (Before, a stale set stayed on the device and the next MODEL adopted its markers: the
+    H200 bench's INT8 + Compile row peaked 5.8 GiB over eager INT8 on Flux from that stale set.)"""
+    import comfy.model_management
+
+    from comfyui_int8_accel.nodes.int8.plan import int8_module_bytes
+    from comfyui_int8_accel.nodes.int8.residency import Int8CopyMarker
+
+    before = _live_int8_layers()
+    base = build_tiny_model("sd15")
+    float_size = comfy.model_management.module_size(base.model)
+    first = _quantized(quant, base)[0]
+    sample(first, "sd15", steps=1)
+    assert _live_int8_layers() > before
+    del first
+    assert _live_int8_layers() == before
+
+    second, plan = _quantized(quant, base)
+    sample(second, "sd15", steps=1)
+    assert _live_int8_layers() == before + len(plan._modules)
+    markers = [entry for module in base.model.modules() for entry in getattr(module, "bias_function", ())
+               if isinstance(entry, Int8CopyMarker)]
+    assert len(markers) == len(plan._modules)
+    assert all(marker.owned_by(plan.copies_of(base.model)) for marker in markers)
+    assert _loaded_entry(second).model_loaded_memory() == float_size + sum(
+        int8_module_bytes(module) for module in plan._modules.values())
+    comfy.model_management.unload_all_models()

@@ -74,7 +74,9 @@ def hold_off(patcher, name: str, module: torch.nn.Module) -> int:
                 comfy.utils.set_attr_param(model, key, backup.weight)
             patcher.backup.pop(key)
     module.to(patcher.offload_device)
-    module.weight_function, module.bias_function = [], []
+    # ComfyUI's per-call patches are set anew below; bookkeeping entries (the INT8 copies' markers) stay
+    module.weight_function = []
+    module.bias_function = [entry for entry in module.bias_function if getattr(entry, "passes_through", False)]
     patches = 0
     for param in ("weight", "bias"):
         key = f"{PREFIX}{name}.{param}"

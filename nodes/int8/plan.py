@@ -73,7 +73,14 @@ from .layout import canonical_name as canonical_name  # where the save node and 
 from .modules import Int8Conv2d, Int8Linear
 from .picture import decision_picture
 from .report import format_report, summary_line
-from .residency import Int8CopyMarker, float_model_size, int8_copy_bytes, is_on, marker_of
+from .residency import (
+    Int8CopyMarker,
+    drop_orphaned_markers,
+    float_model_size,
+    int8_copy_bytes,
+    is_on,
+    marker_of,
+)
 from .settings import QuantizeSettings
 from .shared_inputs import assign_shared_inputs
 from .speed import (
@@ -442,8 +449,10 @@ class Int8Plan:
         loads the model to in the model's loaded memory, offloaded float layer or not (see residency.py)."""
         if not hasattr(float_module, "bias_function"):
             return  # not one of ComfyUI's op classes: ModelPatcher neither counts nor offloads it
-        marker = marker_of(float_module, name)
+        marker = marker_of(float_module, name, copies)
         if marker is None:  # a load rewrote the list: the layer's marker goes back in
+            base_model.model_loaded_weight_memory = getattr(base_model, "model_loaded_weight_memory", 0) - \
+                drop_orphaned_markers(float_module)
             marker = copies.markers.get(name) or Int8CopyMarker(name, copies.release)
             float_module.bias_function = [*float_module.bias_function, marker]  # a new list: never the class's
         copies.markers[name] = marker

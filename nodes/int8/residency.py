@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import types
+import weakref
 from collections.abc import Callable
 
 import comfy.model_management
@@ -42,7 +43,9 @@ class Int8CopyMarker:
     def __init__(self, name: str, release: Callable[[str], int]) -> None:
         self.name = name
         self.counted_bytes = 0  # bytes of the INT8 copy added to the model's loaded memory
-        self._release = release
+        # Held weakly: the marker sits on the shared model, which outlives the INT8 MODEL whose copies it releases; a
+        # strong reference kept a deleted MODEL's copies on the device for as long as the model stayed loaded.
+        self._release = weakref.WeakMethod(release)
         self._token = f"copy{id(self)}"
         self._armed: tuple[types.SimpleNamespace, dict] | None = None  # (holder on the model, backup) with an entry
 
@@ -71,9 +74,19 @@ class Int8CopyMarker:
             self._armed = None
         return freed
 
+    def owned_by(self, owner: object) -> bool:
+        return getattr(self._release(), "__self__", None) is owner
+
+    @property
+    def orphaned(self) -> bool:
+        """The INT8 MODEL whose copy this marker releases is gone (and with it the copy)."""
+        return self._release() is None
+
     def move_to(self, device: torch.device | None = None) -> int:
         freed = self.forget()
-        self._release(self.name)
+        release = self._release()
+        if release is not None:
+            release(self.name)
         return freed
 
     @property
@@ -85,11 +98,23 @@ class Int8CopyMarker:
         self.move_to()
 
 
-def marker_of(module: torch.nn.Module, name: str) -> Int8CopyMarker | None:
+def marker_of(module: torch.nn.Module, name: str, owner: object) -> Int8CopyMarker | None:
+    """The marker of layer `name` in `module`'s list that releases `owner`'s copy (another INT8 MODEL on the same
+    model has its own)."""
     for entry in getattr(module, "bias_function", ()):
-        if isinstance(entry, Int8CopyMarker) and entry.name == name:
+        if isinstance(entry, Int8CopyMarker) and entry.name == name and entry.owned_by(owner):
             return entry
     return None
+
+
+def drop_orphaned_markers(module: torch.nn.Module) -> int:
+    """Take the markers of INT8 MODELs that are gone out of `module`'s list; the bytes they still had counted."""
+    entries = getattr(module, "bias_function", ())
+    orphans = [entry for entry in entries if isinstance(entry, Int8CopyMarker) and entry.orphaned]
+    if not orphans:
+        return 0
+    module.bias_function = [entry for entry in entries if not any(entry is orphan for orphan in orphans)]
+    return sum(orphan.forget() for orphan in orphans)
 
 
 def is_on(tensor: torch.Tensor, device: torch.device | str) -> bool:
