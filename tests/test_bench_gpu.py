@@ -123,7 +123,8 @@ def test_the_peers_run_beside_the_reference_in_the_dry_run_or_say_why_not(pack, 
 
 def test_the_compiled_comparisons_and_the_peers_come_before_the_stack_and_the_eager_rows(pack, monkeypatch):
     """A stage cut at its time limit keeps its first rows: after the reference, Compile Model on plain bf16 and with
-    INT8 (static shapes at the bench's one resolution), then the peers, then the stack, then every eager row."""
+    INT8 (static shapes at the bench's one resolution), then eager INT8 with its float weights in system memory and
+    kept on the GPU (the peak VRAM A/B), then the peers, then the stack, then every other eager row."""
     import importlib
 
     from harness.comfy_host import REPO_ROOT
@@ -131,10 +132,12 @@ def test_the_compiled_comparisons_and_the_peers_come_before_the_stack_and_the_ea
     monkeypatch.syspath_prepend(str(REPO_ROOT / "bench"))
     gpu_models = importlib.import_module("gpu_models")
     names = [v.name for v in gpu_models.VARIANTS]
-    assert names[:6] == ["plain bf16", "plain bf16 + Compile Model", "INT8 + Compile Model",
+    assert names[:8] == ["plain bf16", "plain bf16 + Compile Model", "INT8 + Compile Model", "Quantize Model (INT8)",
+                         "Quantize Model (INT8), float weights kept on the GPU",
                          "torchao int8 dynamic + core TorchCompileModel", "torchao fp8 per-row + core TorchCompileModel",
                          "plain bf16 + core TorchCompileModel"]
-    kinds = ["compiled" if v.compile or v.peer else "eager" for v in gpu_models.VARIANTS[1:]]
-    stack = next(i for i, v in enumerate(gpu_models.VARIANTS[1:]) if v.deepcache and v.compile)
+    assert dict(gpu_models.VARIANTS[4].env) == {"INT8_ACCEL_KEEP_FLOAT_WEIGHTS": "1"}
+    kinds = ["compiled" if v.compile or v.peer else "eager" for v in gpu_models.VARIANTS[5:]]
+    stack = next(i for i, v in enumerate(gpu_models.VARIANTS[5:]) if v.deepcache and v.compile)
     assert "eager" not in kinds[:stack], kinds
     assert gpu_models.BENCH_COMPILE_DYNAMIC == "false"
