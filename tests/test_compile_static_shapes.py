@@ -112,7 +112,7 @@ def test_auto_compiles_once_more_at_the_second_resolution_and_never_after(pack, 
         model = build_tiny_model("sd15", seed=7, unet_config=UNET_WIDTH)
     settings = cm.CompileSettings(backend=COUNTING)
     compiled = cm.compile_model(model, settings, strategy="blocks")
-    page_status.show_runs_on_node(compiled, "7")
+    page_status.show_runs_on_node(compiled, "7", settings)
     counts, said, summaries = [], [], []
     for height, width in ((64, 64), (64, 64), (96, 64), (128, 96), (64, 64)):
         before = len(compiled_graphs)
@@ -138,3 +138,6 @@ def test_auto_compiles_once_more_at_the_second_resolution_and_never_after(pack, 
     assert any("a second latent size" in line for line in said[2])
     assert not any("compiled" in line for run in (1, 3, 4) for line in said[run])
     assert summaries[1].startswith("nothing to compile"), summaries[1]
+    # what compiling keeps beside the model, said after every run (no CUDA graphs in these settings)
+    assert all("memory: the compiled graphs read the weights where they are, no copy of them" in summary
+               and "CUDA graphs" not in summary for summary in summaries)

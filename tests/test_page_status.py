@@ -76,6 +76,7 @@ def test_compile_node_counts_the_block_calls_that_ran_eagerly_and_why(comfy_root
     blocks = 15  # the tiny UNet's 8 ResBlocks and 7 transformer blocks, one model call per step
     assert eager >= blocks and total - eager == 2 * blocks, first  # the calibrated step eager, the other two compiled
     assert counts.endswith(f"ran eagerly: {eager} because its layers are watched (INT8 calibration's hooks, a forward "
-                           "hook or a dispatch mode)"), first
+                           "hook or a dispatch mode). memory: the compiled graphs read the weights where they are, "
+                           "no copy of them"), first
     sample(compiled, "sd15", steps=3)
     assert "ran eagerly" not in shown[-1][1], shown[-1]

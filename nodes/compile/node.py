@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..comfy_contracts import is_dynamic
 from ..node_schema import pack_schema, widget_problem
 from . import DYNAMIC_CHOICES, MODE_CHOICES, CompileSettings, available_compile_backends, compile_model
 from .page_status import show_runs_on_node
@@ -57,5 +58,6 @@ class Int8AccelCompile(io.ComfyNode):
     def execute(cls, model, backend: str, mode: str, dynamic: str, fullgraph: bool) -> io.NodeOutput:
         settings = CompileSettings(backend=backend, mode=mode, dynamic=dynamic, fullgraph=bool(fullgraph))
         compiled = compile_model(model, settings)
-        show_runs_on_node(compiled, cls.hidden.unique_id if cls.hidden else None)
+        show_runs_on_node(compiled, cls.hidden.unique_id if cls.hidden else None, settings,
+                          second_copy=is_dynamic(model) and not is_dynamic(compiled))
         return io.NodeOutput(compiled)

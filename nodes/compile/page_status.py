@@ -81,9 +81,22 @@ def run_summary(compiles: int, compile_seconds: float, seconds: float, eager: st
     return text
 
 
-def show_runs_on_node(model, node_id: str | None) -> None:
-    """Watch every sampling run of `model` (a Compile Model clone) and keep the node `node_id` told; a model it
-    compiles nothing of says so at once."""
+def memory_clause(settings, streamed_copy: bool = False) -> str:
+    """What compiling keeps in memory beside the model, by design (the GPU bench measures it: INT8 against INT8 +
+    Compile Model in one run)."""
+    text = "memory: the compiled graphs read the weights where they are, no copy of them"
+    if settings is not None and settings.uses_cuda_graphs():
+        text += "; CUDA graphs keep the activations of each graph in a memory pool of their own"
+    if streamed_copy:
+        text += ("; ComfyUI loaded a second copy of the model without streaming (dynamic VRAM), in system memory "
+                 "until it is loaded")
+    return text
+
+
+def show_runs_on_node(model, node_id: str | None, settings=None, second_copy: bool = False) -> None:
+    """Watch every sampling run of `model` (a Compile Model clone, compiled with `settings`; `second_copy`: ComfyUI
+    loads it apart from the model it was made from) and keep the node `node_id` told; a model it compiles nothing
+    of says so at once."""
     if node_id is None:
         return
     eager = eager_reason(model)
@@ -100,8 +113,11 @@ def show_runs_on_node(model, node_id: str | None) -> None:
             return executor(*args, **kwargs)
         finally:
             _runs().remove(run)
-            show_on_node(run_summary(run.compiles, run.compile_seconds, time.perf_counter() - start, eager,
-                                     run.block_calls, run.eager_blocks, run.by_region), node_id)
+            summary = run_summary(run.compiles, run.compile_seconds, time.perf_counter() - start, eager,
+                                  run.block_calls, run.eager_blocks, run.by_region)
+            if eager is None:
+                summary += ". " + memory_clause(settings, second_copy)
+            show_on_node(summary, node_id)
 
     model.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, PAGE_KEY)
     model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, PAGE_KEY, compile_page_status)
