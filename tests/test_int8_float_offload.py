@@ -312,3 +312,17 @@ def test_compile_model_keeps_its_blocks_compiled_on_held_float_weights(comfy_roo
     assert all(is_held_off(module) for module in _chosen_layers(plan, out).values())
     assert reasons and set(reasons) == {None}
     assert rel(again, eager) < 1e-4
+
+
+def test_a_load_that_merges_every_patch_loads_the_held_layers_as_comfyui_does(comfy_root, quant):
+    """A load with `force_patch_weights` (core's save nodes merge the LoRA into the weights they save so) holds
+    nothing back: the float layers held by the prompt before are loaded onto the computing device like every other."""
+    from comfyui_int8_accel.nodes.int8.float_offload import is_held_off
+
+    out, plan, _ = _calibrated_on_cpu(quant)
+    _prompt_onto(out, plan, META)
+    chosen = _chosen_layers(plan, out)
+    assert all(is_held_off(module) for module in chosen.values())
+    out.patch_model(device_to=META, force_patch_weights=True)
+    assert not any(is_held_off(module) for module in chosen.values())
+    assert all(p.device == META for p in out.model.diffusion_model.parameters())

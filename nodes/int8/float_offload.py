@@ -128,7 +128,8 @@ def load_holding_floats_off(patcher, device_to=None, lowvram_model_memory=0, for
 
     plan = int8_plan(patcher)
     load = type(patcher).load
-    held = plan.layers_to_hold_off(patcher, device_to) if plan is not None else {}
+    # force_patch_weights: a load that merges every patch into the weights (core's save nodes): as ComfyUI loads
+    held = plan.layers_to_hold_off(patcher, device_to) if plan is not None and not force_patch_weights else {}
     if not held:
         return load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load)
     root = patcher.model.diffusion_model
