@@ -121,8 +121,9 @@ def test_bad_settings_raise(deepcache, models):
 def test_unsupported_model_is_an_error_naming_it(deepcache, models):
     odd = models["sd15"].clone()
     odd.add_object_patch("diffusion_model", torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="DeepCache cannot accelerate this model: its diffusion model is Linear"):
+    with pytest.raises(ValueError, match="DeepCache cannot accelerate this model: its diffusion model is Linear") as error:
         deepcache.apply_deepcache(odd, 3, 1, 0.0, 1.0)
+    assert "it looks for nn.ModuleList or nn.ModuleDict containers of two or more blocks" in str(error.value)
 
 
 def test_input_model_is_not_modified(deepcache, models):

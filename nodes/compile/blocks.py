@@ -2,9 +2,9 @@
 class, swapped in only while the model runs.
 
 Which blocks: a UNet's ResBlocks and the transformer blocks of its SpatialTransformers (inside its input, middle
-and output blocks), else the block lists of a DiT (direct child ModuleLists of one block class holding a real
-share of the weights: Flux's double and single blocks, SD3's joint blocks, most other DiTs' `blocks`/`layers`),
-else the largest such list anywhere. Everything between blocks (embeddings, the sampler-facing forward,
+and output blocks), else the block stacks of any other model, as DeepCache finds them (`nodes/block_stacks.py`:
+Flux's double and single blocks, SD3's joint blocks, Cosmos 1's ModuleDict, a nested stack such as HiDream-O1's
+`language_model.layers`), else the largest list of like blocks anywhere. Everything between blocks (embeddings, the sampler-facing forward,
 DeepCache's step logic, ControlNet additions, a SpatialTransformer's norm and projections) stays eager Python,
 so block replacements and skipped blocks compose.
 
@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ..block_stacks import find_block_stacks, is_block_container, stack_members
 from ..comfy_contracts import has_weight_patches, uses_vbar_cast
 from .attention import only_own_override
 from .compile_events import tell_block_run
@@ -43,8 +44,6 @@ from .swap import swapped_forwards
 
 log = logging.getLogger("int8_accel.compile")
 
-# A DiT block list counts when it holds at least this share of the diffusion model's weights.
-BLOCK_LIST_MIN_SHARE = 0.1
 # What a UNet transformer block reads from transformer_options besides the attention override: patches and
 # replacements that receive its position.
 POSITION_READING_PATCHES = ("attn1_patch", "attn2_patch", "attn1_output_patch", "attn2_output_patch", "middle_patch")
@@ -72,30 +71,24 @@ def _parameter_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _is_block_list(module: torch.nn.Module) -> bool:
-    if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
-        return False
-    first = module[0]  # a block: a module made of modules, with weights (not a list of norms or of Linears)
-    return (all(type(block) is type(first) for block in module) and not isinstance(first, torch.nn.ModuleList)
-            and next(first.children(), None) is not None and next(first.parameters(), None) is not None)
-
-
-def _block_lists(diffusion_model: torch.nn.Module) -> list[torch.nn.ModuleList]:
-    total = max(1, _parameter_count(diffusion_model))
-    lists = [child for child in diffusion_model.children() if _is_block_list(child)]
-    lists = [blocks for blocks in lists if _parameter_count(blocks) >= BLOCK_LIST_MIN_SHARE * total]
-    if lists:
-        return lists
-    anywhere = [module for module in diffusion_model.modules() if _is_block_list(module)]
+def _stacks(diffusion_model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The containers of the model's block stacks (`find_block_stacks`), else its largest container of like blocks
+    anywhere."""
+    found = [diffusion_model.get_submodule(stack.path) for stack in find_block_stacks(diffusion_model)]
+    if found:
+        return found
+    anywhere = [module for module in diffusion_model.modules() if is_block_container(module)]
     return [max(anywhere, key=_parameter_count)] if anywhere else []
 
 
 def repeated_blocks(diffusion_model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks the blocks strategy compiles, in execution order where the model has one."""
+    """The blocks the blocks strategy compiles, in execution order where the model has one. A DeepCache stand-in
+    swapped in for the call (`stands_in_for`) counts as the block it calls."""
     unet = _unet_blocks(diffusion_model)
     if unet is not None:
         return unet
-    return [block for blocks in _block_lists(diffusion_model) for block in blocks]
+    return [getattr(block, "stands_in_for", block) for container in _stacks(diffusion_model)
+            for block in stack_members(container)]
 
 
 def position_free_options(options: dict | None) -> dict | None:

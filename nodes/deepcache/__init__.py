@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 
+from ..block_stacks import find_block_stacks
+from .discovery import DiscoveredBlocks, not_found_message
 from .dit import install_dit, uncached_message
-from .families import block_layout, family_of, supported_names
+from .families import block_layout, family_of
 from .segments import max_depth
 from .settings import CacheMode, DeepCacheSettings
 from .steps import STATE_KEY, WRAPPER_KEY, install_step_wrappers
@@ -32,15 +34,19 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
         raise ValueError(f"DeepCache: {settings.problem()}.")
 
     diffusion_model = model.get_model_object("diffusion_model")
-    family = layout = None
+    family = layout = found = None
     if is_unet(diffusion_model):
         limit = max_unet_depth(diffusion_model)
         kind = f"this UNet has {limit} input blocks"
     else:
         family = family_of(diffusion_model)
-        if family is None:
-            raise ValueError(unsupported_message(diffusion_model))
-        layout = block_layout(diffusion_model, family)
+        if family is not None:
+            layout = block_layout(diffusion_model, family)
+        else:  # a model the table does not name: its block stacks, found in its module tree
+            found = find_block_stacks(diffusion_model)
+            if not found:
+                raise ValueError(not_found_message(diffusion_model))
+            layout = [(number, index) for number, stack in enumerate(found) for index in range(stack.blocks)]
         limit = max_depth(layout)
         kind = f"this {type(diffusion_model).__name__} has {len(layout)} blocks and needs at least one middle block"
     if settings.cache_depth > limit:
@@ -49,7 +55,10 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
 
     patched = model.clone()
     _remove_previous_deepcache(patched)
-    if family is None:
+    if found is not None:
+        install_step_wrappers(patched, settings)
+        DiscoveredBlocks(found, settings.cache_depth).install(patched)
+    elif family is None:
         install_step_wrappers(patched, settings)
         install_unet(patched, settings.cache_depth)
     else:
@@ -57,13 +66,6 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
         install_dit(patched, settings.cache_depth, family, layout)
     patched.model_options.setdefault("transformer_options", {})[STATE_KEY + "_settings"] = settings
     return patched
-
-
-def unsupported_message(diffusion_model) -> str:
-    cls = type(diffusion_model)
-    return (f"DeepCache cannot accelerate this model: its diffusion model is {cls.__name__} (from {cls.__module__}), "
-            f"and DeepCache supports UNets (SD1.x, SD2.x, SDXL) and the diffusion transformers {supported_names()}. "
-            "Bypass this node (Ctrl+B) to run the model without DeepCache.")
 
 
 def _remove_previous_deepcache(model) -> None:

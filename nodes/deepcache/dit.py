@@ -37,16 +37,14 @@ def install_dit(model, depth: int, family: Family, layout: list[tuple[int, int]]
     from comfy.patcher_extension import WrappersMP
 
     existing = model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
-    swapped: dict[int, dict[int, BlockPlace]] = {}
-    for (stack_number, index), place in middle_places(layout, depth).items():
+    middle = middle_places(layout, depth)
+    for (stack_number, index), place in middle.items():
         stack = family.stacks[stack_number]
         if stack.patch is not None:
             patch = _block_patch(place, stack, existing.get((stack.patch, index)))
             model.set_model_patch_replace(patch, "dit", stack.patch, index)
-        if stack.patch is None or stack.prefetched:
-            swapped.setdefault(stack_number, {})[index] = place
-    if swapped:
-        model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, _block_swap(family, swapped))
+    if any(stack.patch is None or stack.prefetched for stack in family.stacks):
+        model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, block_swap(family, middle))
     skipped_hooks: dict[str, set[int]] = {}
     for (stack_number, index), place in middle_places(layout, depth).items():
         hooks = family.stacks[stack_number].post_hooks
@@ -134,6 +132,11 @@ class CachedBlock(torch.nn.Module):
         self.place = place
         self.stack = stack
 
+    @property
+    def stands_in_for(self) -> torch.nn.Module:
+        """The block this stand-in calls (Compile Model compiles that one)."""
+        return self.__dict__["block"]
+
     def __getattr__(self, name: str):
         # the forward may read the block's own attributes (HiDream-O1: `layer.self_attn.comfy_attention`)
         try:
@@ -167,7 +170,23 @@ class CachedBlock(torch.nn.Module):
         return values if len(values) > 1 else values[0]
 
 
-def _block_swap(family: Family, places: dict[int, dict[int, BlockPlace]]) -> Callable:
+def _like(container: torch.nn.Module, blocks: list[torch.nn.Module]) -> torch.nn.Module:
+    """`blocks` in a container of `container`'s kind (a ModuleDict keeps its keys)."""
+    if isinstance(container, torch.nn.ModuleDict):
+        return torch.nn.ModuleDict(dict(zip(container.keys(), blocks, strict=True)))
+    return torch.nn.ModuleList(blocks)
+
+
+def block_swap(family: Family, middle: dict[tuple[int, int], BlockPlace]) -> Callable:
+    """A DIFFUSION_MODEL wrapper that swaps, for a cached or capturing call, the block lists of `family`'s stacks
+    reached by swapping (and, on cached calls, of patched ones whose forward prefetches) for lists whose middle
+    blocks (`middle`, from `middle_places`) are `CachedBlock`s."""
+    places: dict[int, dict[int, BlockPlace]] = {}
+    for (stack_number, index), place in middle.items():
+        stack = family.stacks[stack_number]
+        if stack.patch is None or stack.prefetched:
+            places.setdefault(stack_number, {})[index] = place
+
     def deepcache_block_swap(executor, *args, **kwargs):
         call = active_call()
         if call is None or call.mode is Mode.FULL:
@@ -180,10 +199,11 @@ def _block_swap(family: Family, places: dict[int, dict[int, BlockPlace]]) -> Cal
                 if stack.patch is not None and call.mode is not Mode.CACHED:
                     continue
                 blocks = stack.blocks(net)
-                originals.append((stack, stack.swap_blocks(net, torch.nn.ModuleList(
+                members = blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks
+                originals.append((stack, stack.swap_blocks(net, _like(blocks, [
                     CachedBlock(block, stack_places[index], stack, call.mode is Mode.CAPTURE)
                     if index in stack_places else block
-                    for index, block in enumerate(blocks)))))
+                    for index, block in enumerate(members)]))))
             return executor(*args, **kwargs)
         finally:
             for stack, blocks in reversed(originals):

@@ -26,10 +26,12 @@ DESCRIPTION = (
     "input_blocks[0:k] and output_blocks[N-k:] (block 0 is the input conv). OneDiff's (cache_layer_id, "
     "cache_block_id) = (0, b) is cache_depth b + 2 here; for deeper layers OneDiff uses "
     "sum(num_res_blocks[:cache_layer_id]) + cache_block_id + 2 (it does not count the downsample blocks). "
-    f"Diffusion transformers ({supported_names()}): the first and last k transformer blocks run and the cached "
-    "residual of the middle blocks is added, per stream and per conditioning. Any other model is an error that "
-    "names it (bypass the node for it). After each run the node shows how many steps ran in full and cached "
-    "and how many blocks each cached step skipped."
+    f"Diffusion transformers ({supported_names()}, and any other model with a stack of transformer blocks: found "
+    "in its modules, how they pass their streams learned on the first run, and checked against the model then; "
+    "a model they do not reproduce runs uncached and the node says why): the first and last k transformer blocks "
+    "run and the cached residual of the middle blocks is added, per stream and per conditioning. A model with no "
+    "UNet and no block stack is an error that names it (bypass the node for it). After each run the node shows "
+    "how many steps ran in full and cached and how many blocks each cached step skipped."
 )
 
 
@@ -41,8 +43,9 @@ class Int8AccelDeepCache(io.ComfyNode):
             description=DESCRIPTION,
             inputs=[
                 io.Model.Input("model", tooltip=(
-                    f"The diffusion model to accelerate. UNet: SD1.x/SD2.x/SDXL; transformers: {supported_names()}. "
-                    "Another model stops the prompt with an error naming it.")),
+                    f"The diffusion model to accelerate. UNet: SD1.x/SD2.x/SDXL; transformers: {supported_names()}, "
+                    "and any other diffusion model with a stack of transformer blocks. A model with neither stops the "
+                    "prompt with an error naming it.")),
                 io.Int.Input("cache_interval", default=3, min=1, max=1000, tooltip=(
                     "Run the full network every N sampler steps and reuse the cached deep features in between. "
                     "1 disables caching (output identical to the model without this node). The DeepCache paper "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from comfy.patcher_extension import WrappersMP
 
+from ..block_stacks import find_block_stacks
 from ..page import show_on_node
 from .families import block_layout, family_of
 from .steps import WRAPPER_KEY, current_run
@@ -17,8 +18,12 @@ def skipped_blocks(diffusion_model, cache_depth: int) -> tuple[int, int]:
         total = len(diffusion_model.input_blocks) + len(diffusion_model.output_blocks)
         total += 1 if diffusion_model.middle_block is not None else 0
         return total - 2 * cache_depth, total
-    layout = block_layout(diffusion_model, family_of(diffusion_model))
-    return len(layout) - 2 * cache_depth, len(layout)
+    family = family_of(diffusion_model)
+    if family is None:
+        total = sum(stack.blocks for stack in find_block_stacks(diffusion_model))
+    else:
+        total = len(block_layout(diffusion_model, family))
+    return total - 2 * cache_depth, total
 
 
 def show_runs_on_node(model, cache_depth: int, node_id: str | None) -> None:
@@ -37,6 +42,7 @@ def show_runs_on_node(model, cache_depth: int, node_id: str | None) -> None:
         finally:
             run = current_run(guider.model_options.get("transformer_options"))
             if run is not None:
-                show_on_node(f"{run.summary()}; each cached step skipped {skipped} of {total} blocks", node_id)
+                show_on_node("\n".join([f"{run.summary(notes=False)}; each cached step skipped {skipped} of {total} "
+                                         "blocks", *run.notes]), node_id)
 
     model.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, deepcache_page_summary)

@@ -37,11 +37,14 @@ def max_depth(layout: list) -> int:
     return (len(layout) - 1) // 2
 
 
-def middle_places(layout: list[tuple[int, int]], depth: int) -> dict[tuple[int, int], BlockPlace]:
-    """The place of every middle block of `layout` ((stack, index) pairs in execution order)."""
+def middle_places(layout: list[tuple[int, int]], depth: int,
+                  every_block: bool = False) -> dict[tuple[int, int], BlockPlace]:
+    """The place of every middle block of `layout` ((stack, index) pairs in execution order). `every_block`: each
+    middle block is a segment of its own, so a cached call hands on every skipped block's own output (where later
+    blocks take it as a long skip), at the cost of one cached residual per block."""
     segments: list[list[int]] = []
     for position in range(depth, len(layout) - depth):
-        if segments and layout[segments[-1][-1]][0] == layout[position][0]:
+        if segments and not every_block and layout[segments[-1][-1]][0] == layout[position][0]:
             segments[-1].append(position)
         else:
             segments.append([position])

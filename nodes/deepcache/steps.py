@@ -14,12 +14,13 @@ samplers (heun's corrector, dpm2's midpoint) always run in full.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
 import logging
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -152,6 +153,16 @@ class FeatureCache:
     def clear(self) -> None:
         self._entries.clear()
 
+    def fresh(self) -> FeatureCache:
+        """An empty cache that keeps what this one keeps (the forecast's order)."""
+        cache = FeatureCache()
+        cache.order = self.order
+        return cache
+
+    def adopt(self, other: FeatureCache) -> None:
+        """Take `other`'s entries (features captured apart, for calls this cache has none of yet)."""
+        self._entries.update(other._entries)
+
 
 @dataclass
 class ModelCall:
@@ -164,6 +175,7 @@ class ModelCall:
     scratch: dict = field(default_factory=dict)
     cached: dict | None = None
     blocks_seen: bool = False  # a cached or capturing call reached DeepCache's block-level code
+    fell_back: bool = False  # a cached call found no usable cache and captured instead
 
 
 class DeepCacheRun:
@@ -189,6 +201,7 @@ class DeepCacheRun:
         self.extra_evaluations = 0
         self.cache_misses = 0
         self.blocks_reached = False  # some call of this run reached DeepCache's block-level code
+        self.notes: list[str] = []  # what the run's summary must tell besides the counts (a model run uncached)
 
     # --- sampler level -----------------------------------------------------------------------------
     def wrap_callback(self, callback: Callable | None) -> Callable:
@@ -223,7 +236,8 @@ class DeepCacheRun:
         self.mode = mode
         return mode
 
-    def summary(self) -> str:
+    def summary(self, notes: bool = True) -> str:
+        """The counts of the run, then (`notes`) one line per note."""
         steps = len(self.plan)
         text = (f"DeepCache: {steps} steps, {self.full_steps} full, {self.cached_steps} cached "
                 f"(interval {self.settings.cache_interval}, depth {self.settings.cache_depth})")
@@ -233,7 +247,7 @@ class DeepCacheRun:
             text += f", {self.cache_misses} cached calls recomputed after a cache miss"
         if self.callbacks_seen == 0 and steps > 1:
             text += "; the sampler reported no steps, so every evaluation after the first ran in full"
-        return text
+        return "\n".join([text, *(self.notes if notes else ())])
 
     def release(self) -> None:
         self.cache.clear()
@@ -269,6 +283,31 @@ _ACTIVE_RUN: contextvars.ContextVar[DeepCacheRun | None] = contextvars.ContextVa
 _ACTIVE_CALL: contextvars.ContextVar[ModelCall | None] = contextvars.ContextVar("int8_accel_deepcache_call",
                                                                                  default=None)
 _COUNTS_LOCK = threading.Lock()
+
+
+class _ScratchRun:
+    """What block-level code reads of a run, for calls made apart from the sampling run (discovery's check)."""
+
+    def __init__(self, cache: FeatureCache, step: float) -> None:
+        self.cache = cache
+        self.step = step
+
+    def fall_back_to_capture(self, call: ModelCall) -> None:
+        call.mode = Mode.CAPTURE
+        call.fell_back = True
+
+
+@contextlib.contextmanager
+def scratch_call(mode: Mode, chunk_ids: Sequence, cache: FeatureCache, step: float) -> Iterator[ModelCall]:
+    """A model call in `mode` made active in this thread for the block, on `cache` at `step` instead of the
+    sampling run's state; the call records whether the block-level code was reached and whether it fell back."""
+    call = ModelCall(mode=mode, chunk_ids=list(chunk_ids))
+    token, call_token = _ACTIVE_RUN.set(_ScratchRun(cache, step)), _ACTIVE_CALL.set(call)
+    try:
+        yield call
+    finally:
+        _ACTIVE_CALL.reset(call_token)
+        _ACTIVE_RUN.reset(token)
 
 
 def active_run() -> DeepCacheRun | None:
