@@ -1,0 +1,404 @@
+"""Tiny random-weight models of the diffusion families DeepCache has no block rules for, plus two made-up ones.
+
+Each ComfyUI family is built the way a loader builds it: its own `comfy.supported_models` config class with a
+shrunk `unet_config`, `cfg.get_model(...)`, random weights (harness.tiny_models.build_random_model), wrapped in a
+ModelPatcher. The two made-up families ("made_up", "made_up_side_channel") are diffusion models no ComfyUI family
+uses, with blocks under unusual names and called in unusual ways, for testing how block discovery copes.
+
+How each family's forward reaches its main block stack (`FamilySpec.block_stack`):
+
+- auraflow: `single_layers` (after 2 `double_layers`); honours patches_replace["dit"] with ("single_block", i)
+  (args img/vec/transformer_options) and ("double_block", i) (img/txt/vec); no long skips.
+- pixart: `blocks`; plain iteration, no patches_replace; no long skips.
+- hunyuan_dit: `blocks`; honours ("double_block", i) (args img/txt/vec/pe/skip); long skips from the first half
+  of the blocks into the second half.
+- mochi: `blocks`; honours ("double_block", i) (img/txt/vec/rope_cos/rope_sin/num_tokens); no long skips.
+- cosmos1: `blocks` (an nn.ModuleDict "block0".."blockN"); plain iteration over `.items()`, the extra position
+  embedding added to the hidden state in place before every block; no long skips.
+- omnigen2: `layers` (after the context/noise refiners); plain iteration; no long skips.
+- ace_step: `transformer_blocks`; plain iteration, every argument by keyword; no long skips.
+- stable_audio: `transformer.layers`; honours ("double_block", i) (img/txt/vec/pe); no long skips.
+- hunyuan3d: `single_blocks` (after 2 `double_blocks`); honours ("single_block", i) and ("double_block", i)
+  (img/txt/vec/pe/attn_mask); no long skips.
+- hunyuan3d21: `blocks`; honours ("block", i) with args x/t/cond/skip, and the replacement returns the tensor
+  itself (not a dict); long skips like HunyuanDiT's.
+- made_up: `stages` (nn.ModuleList); plain iteration, `stage(cond_vec, tokens, scale=..., context=...)` returns
+  `(tokens, aux)` and `aux` is dropped; no long skips.
+- made_up_side_channel: `cells` (nn.ModuleDict); plain iteration, `cell(tokens, vec)` returns tokens, but each
+  cell also reads the tensor the previous cell left in a dict the cells share, so skipping one changes the result.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from harness.tiny_models import build_random_model
+
+
+class FamilySpec(NamedTuple):
+    """A tiny family: ComfyUI config class name (or a made-up one), its unet_config and what sampling needs."""
+
+    config_class: str
+    unet_config: dict[str, Any]
+    latent_shape: tuple[int, ...]  # without the batch dimension
+    context_dim: int  # width of the text (or image-embedding) conditioning
+    tokens: int  # conditioning length
+    block_stack: str  # dotted path of the main block container on the diffusion model
+    cfg: float = 3.0  # default CFG scale for sample_family
+
+
+NEW_FAMILIES: dict[str, FamilySpec] = {
+    # MMDiT: 2 double (joint) blocks then 6 single blocks; max_seq must be a square (8x8 patches = 16x16 latent)
+    "auraflow": FamilySpec("AuraFlow", {
+        "in_channels": 4, "out_channels": 4, "patch_size": 2, "dim": 64, "n_layers": 8, "n_double_layers": 2,
+        "n_heads": 2, "global_conddim": 64, "cond_seq_dim": 64, "max_seq": 64},
+        (4, 16, 16), 64, 8, "single_layers"),
+    # PixArt Sigma (no micro-conditioning). Its forward takes the position embedding's base size and
+    # interpolation from round(((H + W) // 2) / 64), H and W in latent pixels: (H + W) // 2 must be at least 33
+    # (at 32 Python rounds 0.5 to 0 and the embedding raises ZeroDivisionError), hence the 8x64 latent.
+    "pixart": FamilySpec("PixArtSigma", {
+        "image_model": "pixart_sigma", "input_size": 32, "patch_size": 2, "in_channels": 4, "hidden_size": 64,
+        "depth": 6, "num_heads": 2, "caption_channels": 64, "model_max_length": 8, "micro_condition": False},
+        (4, 8, 64), 64, 8, "blocks"),
+    # depth must be even for the long skips to balance (ComfyUI's skip stack pops depth - 1 - depth // 2 times
+    # and pushes depth // 2 - 1 times); text_len / text_len_t5 must equal the prompts' lengths
+    "hunyuan_dit": FamilySpec("HunyuanDiT", {
+        "image_model": "hydit", "input_size": 32, "patch_size": 2, "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "text_states_dim": 64, "text_states_dim_t5": 64, "text_len": 8, "text_len_t5": 8},
+        (4, 16, 16), 64, 8, "blocks"),
+    # every block asserts int(hidden_size_x * mlp_ratio_x) == 1536 * 8 = 12288, so its visual FFN is 8192 wide
+    # (2/3 of it) whatever the width: width 16 with ratio 768 and 2 heads of 8 (widths down to 2 run too)
+    "mochi": FamilySpec("GenmoMochi", {
+        "image_model": "mochi_preview", "depth": 6, "patch_size": 2, "num_heads": 2, "hidden_size_x": 16,
+        "hidden_size_y": 16, "mlp_ratio_x": 768.0, "mlp_ratio_y": 4.0, "learn_sigma": False, "in_channels": 12,
+        "qk_norm": True, "qkv_bias": False, "out_bias": True, "attn_drop": 0.0, "patch_embed_bias": True,
+        "posenc_preserve_area": True, "timestep_mlp_bias": True, "attend_to_padding": False,
+        "timestep_scale": 1000.0, "use_t5": True, "t5_feat_dim": 64, "t5_token_length": 8, "rope_theta": 10000.0},
+        (12, 2, 8, 8), 64, 8, "blocks"),
+    # Cosmos 1 (GeneralDIT): its forward needs the learnable extra position embedding and THWBD blocks
+    "cosmos1": FamilySpec("CosmosT2V", {
+        "image_model": "cosmos", "max_img_h": 32, "max_img_w": 32, "max_frames": 8, "in_channels": 16,
+        "out_channels": 16, "patch_spatial": 2, "patch_temporal": 1, "model_channels": 64, "block_config": "FA-CA-MLP",
+        "concat_padding_mask": True, "pos_emb_cls": "rope3d", "pos_emb_learnable": False,
+        "pos_emb_interpolation": "crop", "block_x_format": "THWBD", "affline_emb_norm": True, "use_adaln_lora": True,
+        "adaln_lora_dim": 32, "num_blocks": 6, "num_heads": 2, "crossattn_emb_channels": 64,
+        "extra_per_block_abs_pos_emb": True, "extra_per_block_abs_pos_emb_type": "learnable",
+        "rope_h_extrapolation_ratio": 1.0, "rope_w_extrapolation_ratio": 1.0, "rope_t_extrapolation_ratio": 2.0},
+        (16, 2, 8, 8), 64, 8, "blocks"),
+    "omnigen2": FamilySpec("Omnigen2", {
+        "image_model": "omnigen2", "axes_dim_rope": [8, 12, 12], "axes_lens": [1024, 1664, 1664],
+        "ffn_dim_multiplier": None, "hidden_size": 64, "in_channels": 16, "multiple_of": 16, "norm_eps": 1e-5,
+        "num_attention_heads": 2, "num_kv_heads": 1, "num_layers": 6, "num_refiner_layers": 1, "out_channels": None,
+        "patch_size": 2, "text_feat_dim": 64, "timestep_scale": 1000.0},
+        (16, 8, 8), 64, 8, "layers"),
+    # the lyric encoder (a 6-block conformer) is fixed at 1024 wide and lyric_proj reads it as lyric_hidden_size,
+    # so that stays 1024; a 16-token lyric vocabulary keeps its embedding small. speaker_embedding_dim is 512
+    # because ComfyUI always feeds 512 zeros.
+    # the lyric encoder is fixed at 1024 wide (84 M parameters): the transformer is made wide enough (384) to hold
+    # a tenth of the weights, as the real model's holds most of them, so it counts as a block stack
+    "ace_step": FamilySpec("ACEStep", {
+        "audio_model": "ace", "attention_head_dim": 64, "in_channels": 8, "max_height": 16, "max_position": 32768,
+        "max_width": 32768, "mlp_ratio": 2.5, "num_attention_heads": 6, "num_layers": 6, "out_channels": 8,
+        "patch_size": [16, 1], "rope_theta": 1000000.0, "speaker_embedding_dim": 512, "text_embedding_dim": 64,
+        "ssl_encoder_depths": [1, 1], "ssl_latent_dims": [64, 64], "ssl_names": ["mert", "m-hubert"],
+        "lyric_encoder_vocab_size": 16, "lyric_hidden_size": 1024},
+        (8, 16, 16), 64, 8, "transformer_blocks"),
+    # the seconds embedders are 768 wide: text tokens 768 wide, global conditioning 2 x 768
+    "stable_audio": FamilySpec("StableAudio", {
+        "audio_model": "dit1.0", "io_channels": 64, "embed_dim": 64, "depth": 6, "num_heads": 2,
+        "cond_token_dim": 768, "global_cond_dim": 1536, "project_cond_tokens": False},
+        (64, 32), 768, 8, "transformer.layers"),
+    "hunyuan3d": FamilySpec("Hunyuan3Dv2", {
+        "image_model": "hunyuan3d2", "in_channels": 64, "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0,
+        "num_heads": 2, "depth": 2, "depth_single_blocks": 6, "qkv_bias": True, "guidance_embed": True},
+        (64, 32), 64, 8, "single_blocks"),
+    # depth must be odd for the long skips to balance; its forward swaps the two halves of the batch, so it
+    # needs cond and uncond in one call (CFG > 1)
+    "hunyuan3d21": FamilySpec("Hunyuan3Dv2_1", {
+        "image_model": "hunyuan3d2_1", "in_channels": 64, "context_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0,
+        "num_heads": 2, "depth": 7, "qkv_bias": False, "guidance_cond_proj_dim": None, "num_moe_layers": 2,
+        "num_experts": 2, "moe_top_k": 1},
+        (64, 32), 64, 8, "blocks"),
+    "made_up": FamilySpec("MadeUp", {
+        "image_model": "made_up", "in_channels": 4, "hidden_size": 64, "depth": 6, "num_heads": 2,
+        "context_dim": 64, "patch_size": 2, "side_channel": False},
+        (4, 8, 8), 64, 8, "stages"),
+    "made_up_side_channel": FamilySpec("MadeUp", {
+        "image_model": "made_up", "in_channels": 4, "hidden_size": 64, "depth": 6, "num_heads": 2,
+        "context_dim": 64, "patch_size": 2, "side_channel": True},
+        (4, 8, 8), 64, 8, "cells"),
+    # the last stage also takes the second stage's output (a long skip from a block a cached step skips)
+    "made_up_long_skip": FamilySpec("MadeUp", {
+        "image_model": "made_up", "in_channels": 4, "hidden_size": 64, "depth": 6, "num_heads": 2,
+        "context_dim": 64, "patch_size": 2, "side_channel": False, "long_skip": True},
+        (4, 8, 8), 64, 8, "stages"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The made-up diffusion model (plain torch; ComfyUI hands it its `operations`)
+
+
+def _timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    b, n, d = q.shape
+    q, k, v = (t.reshape(b, t.shape[1], heads, d // heads).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).reshape(b, n, d)
+
+
+class MadeUpStage(nn.Module):
+    """Self-attention, cross-attention and MLP; `forward(cond_vec, tokens, scale=..., context=...)` returns
+    `(tokens, aux)` where `aux` (a per-sample energy) is a by-product the next stage does not take."""
+
+    def __init__(self, dim: int, heads: int, context_dim: int, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.mod = operations.Linear(dim, 4 * dim, **ops)
+        self.norm1 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.qkv = operations.Linear(dim, 3 * dim, **ops)
+        self.proj = operations.Linear(dim, dim, **ops)
+        self.norm2 = operations.LayerNorm(dim, eps=1e-6, **ops)
+        self.q_ctx = operations.Linear(dim, dim, **ops)
+        self.kv_ctx = operations.Linear(context_dim, 2 * dim, **ops)
+        self.out_ctx = operations.Linear(dim, dim, **ops)
+        self.norm3 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.mlp_in = operations.Linear(dim, 4 * dim, **ops)
+        self.mlp_out = operations.Linear(4 * dim, dim, **ops)
+
+    def forward(self, cond_vec: torch.Tensor, tokens: torch.Tensor, *, scale: float, context: torch.Tensor,
+                skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if skip is not None:
+            tokens = tokens + 0.5 * skip
+        shift, gain, gate_attn, gate_mlp = self.mod(torch.nn.functional.silu(cond_vec)).unsqueeze(1).chunk(4, dim=-1)
+        h = self.norm1(tokens) * (1 + gain) + shift
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        tokens = tokens + scale * gate_attn * self.proj(_attention(q, k, v, self.heads))
+        k, v = self.kv_ctx(context).chunk(2, dim=-1)
+        tokens = tokens + self.out_ctx(_attention(self.q_ctx(self.norm2(tokens)), k, v, self.heads))
+        h = self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.norm3(tokens))))
+        tokens = tokens + scale * gate_mlp * h
+        aux = h.pow(2).mean(dim=(1, 2))
+        return tokens, aux
+
+
+class SideChannelCell(nn.Module):
+    """`forward(tokens, vec)` returns tokens; it also adds the unit-scale tensor the previous cell left in `memory`
+    (a dict shared by all cells of one model) and leaves its own there for the next cell, so a cell that is skipped
+    (or replayed from a cache) leaves the next one a stale tensor."""
+
+    def __init__(self, dim: int, heads: int, memory: dict, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.memory = memory
+        self.mod = operations.Linear(dim, 3 * dim, **ops)
+        self.norm1 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.qkv = operations.Linear(dim, 3 * dim, **ops)
+        self.proj = operations.Linear(dim, dim, **ops)
+        self.norm2 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.mlp_in = operations.Linear(dim, 2 * dim, **ops)
+        self.mlp_out = operations.Linear(2 * dim, dim, **ops)
+        self.norm_carry = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+
+    def forward(self, tokens: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        carry = self.memory.get("carry")
+        if carry is not None:
+            tokens = tokens + carry
+        shift, gain, gate = self.mod(torch.nn.functional.silu(vec)).unsqueeze(1).chunk(3, dim=-1)
+        h = self.norm1(tokens) * (1 + gain) + shift
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        tokens = tokens + gate * self.proj(_attention(q, k, v, self.heads))
+        h = self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.norm2(tokens))))
+        self.memory["carry"] = 0.5 * self.norm_carry(h)
+        return tokens + h
+
+
+class MadeUpDiT(nn.Module):
+    """A diffusion transformer no ComfyUI family uses: `forward(x, timesteps, context, **kwargs)` on a 4-D latent.
+
+    Its blocks are `stages` (MadeUpStage, an nn.ModuleList) or, with `side_channel`, `cells` (SideChannelCell, an
+    nn.ModuleDict "cell_0".. whose cells talk through a shared dict). It ignores transformer_options."""
+
+    def __init__(self, in_channels: int = 4, hidden_size: int = 64, depth: int = 6, num_heads: int = 2,
+                 context_dim: int = 64, patch_size: int = 2, side_channel: bool = False, long_skip: bool = False,
+                 image_model: str | None = None, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.dtype = dtype
+        self.in_channels = in_channels
+        self.patch_size = patch_size
+        self.hidden_size = hidden_size
+        self.side_channel = side_channel
+        self.long_skip = long_skip
+        self.x_in = operations.Linear(in_channels * patch_size * patch_size, hidden_size, **ops)
+        self.pos = nn.Parameter(torch.empty(1, 256, hidden_size, **ops))
+        self.t_in = nn.Sequential(operations.Linear(256, hidden_size, **ops), nn.SiLU(),
+                                  operations.Linear(hidden_size, hidden_size, **ops))
+        self.pool_in = operations.Linear(context_dim, hidden_size, **ops)
+        if side_channel:
+            self.memory: dict[str, torch.Tensor] = {}
+            self.cells = nn.ModuleDict({
+                f"cell_{i}": SideChannelCell(hidden_size, num_heads, self.memory, operations=operations, **ops)
+                for i in range(depth)})
+        else:
+            self.stages = nn.ModuleList([
+                MadeUpStage(hidden_size, num_heads, context_dim, operations=operations, **ops) for _ in range(depth)])
+            self.stage_scales = [1.0 / (1 + i) ** 0.5 for i in range(depth)]
+        self.norm_out = operations.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6, **ops)
+        self.x_out = operations.Linear(hidden_size, in_channels * patch_size * patch_size, **ops)
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, **kwargs) -> torch.Tensor:
+        b, c, h, w = x.shape
+        p = self.patch_size
+        tokens = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), -1)
+        tokens = self.x_in(tokens)
+        tokens = tokens + self.pos[:, :tokens.shape[1]].to(tokens)
+        vec = self.t_in(_timestep_features(timesteps, 256).to(tokens.dtype)) + self.pool_in(context.mean(dim=1))
+        if self.side_channel:
+            self.memory.clear()
+            for cell in self.cells.values():
+                tokens = cell(tokens, vec)
+            self.memory.clear()
+        else:
+            kept = None
+            for i, stage in enumerate(self.stages):
+                skip = kept if self.long_skip and i == len(self.stages) - 1 else None
+                tokens, _aux = stage(vec, tokens, scale=self.stage_scales[i], context=context, skip=skip)
+                if i == 1:
+                    kept = tokens
+        out = self.x_out(self.norm_out(tokens))
+        return out.reshape(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
+_MADE_UP_CONFIG: type | None = None
+
+
+def _made_up_config() -> type:
+    """A ComfyUI model config (supported_models_base.BASE) whose get_model gives a BaseModel around MadeUpDiT."""
+    global _MADE_UP_CONFIG
+    if _MADE_UP_CONFIG is None:
+        import comfy.latent_formats
+        import comfy.model_base
+        import comfy.supported_models_base
+
+        class MadeUpModel(comfy.model_base.BaseModel):
+            def __init__(self, model_config, model_type=comfy.model_base.ModelType.FLOW, device=None):
+                super().__init__(model_config, model_type, device=device, unet_model=MadeUpDiT)
+
+        class MadeUp(comfy.supported_models_base.BASE):
+            unet_config = {"image_model": "made_up"}
+            unet_extra_config = {}
+            sampling_settings = {"multiplier": 1.0, "shift": 1.0}
+            latent_format = comfy.latent_formats.SD15
+            supported_inference_dtypes = [torch.float32]
+
+            def get_model(self, state_dict, prefix="", device=None):
+                return MadeUpModel(self, device=device)
+
+        _MADE_UP_CONFIG = MadeUp
+    return _MADE_UP_CONFIG
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _spec(kind: str) -> FamilySpec:
+    if kind not in NEW_FAMILIES:
+        raise ValueError(f"unknown family {kind!r}; known: {', '.join(NEW_FAMILIES)}")
+    return NEW_FAMILIES[kind]
+
+
+def family_config(kind: str):
+    """The ComfyUI model config for the tiny `kind` (what model detection would return for a real checkpoint)."""
+    spec = _spec(kind)
+    if spec.config_class == "MadeUp":
+        return _made_up_config()(dict(spec.unet_config))
+    import comfy.supported_models
+
+    cfg = getattr(comfy.supported_models, spec.config_class)(dict(spec.unet_config))
+    if spec.config_class == "StableAudio":
+        # its get_model loads the seconds-start/total embedders from the checkpoint's state dict (strictly): hand
+        # it what a checkpoint holds there (the values are replaced by random ones afterwards)
+        import comfy.ldm.audio.embedders
+
+        embedder = comfy.ldm.audio.embedders.NumberConditioner(768, min_val=0, max_val=512).state_dict()
+        checkpoint = {f"conditioner.conditioners.{name}.{key}": value
+                      for name in ("seconds_start", "seconds_total") for key, value in embedder.items()}
+        get_model = cfg.get_model
+        cfg.get_model = lambda state_dict, prefix="", device=None: get_model(
+            {**checkpoint, **state_dict}, prefix=prefix, device=device)
+    return cfg
+
+
+def build_family(kind: str, seed: int = 0):
+    """A ModelPatcher around the tiny `kind` model (a key of NEW_FAMILIES), fp32, on the CPU, random weights."""
+    model = build_random_model(family_config(kind), seed)
+    with torch.no_grad():  # Stable Audio's norms keep their scale as `gamma`, which the filler zeroes: set to 1
+        for name, parameter in model.model.diffusion_model.named_parameters():
+            if name.endswith(".gamma"):
+                parameter.fill_(1.0)
+    return model
+
+
+def block_stack(kind: str) -> str:
+    """Dotted path of the family's main block container on `model.model.diffusion_model` (see the module doc for
+    how its forward reaches the blocks)."""
+    return _spec(kind).block_stack
+
+
+def family_latent(kind: str, batch: int = 1) -> torch.Tensor:
+    """The zero latent of the tiny `kind` model (what its empty-latent node would give, small)."""
+    return torch.zeros(batch, *_spec(kind).latent_shape)
+
+
+def family_conditioning(kind: str, batch: int = 1, seed: int = 1) -> tuple[list, list]:
+    """Positive and negative CONDITIONING lists carrying every key the family's model_base extra_conds needs."""
+    spec = _spec(kind)
+    gen = torch.Generator().manual_seed(seed)
+    n = spec.tokens
+
+    def one() -> list:
+        extra: dict[str, Any] = {}
+        if kind == "hunyuan_dit":  # CLIP mask, mT5 states and mask
+            extra["attention_mask"] = torch.ones(batch, n, dtype=torch.long)
+            extra["conditioning_mt5xl"] = torch.randn(batch, n, spec.unet_config["text_states_dim_t5"], generator=gen)
+            extra["attention_mask_mt5xl"] = torch.ones(batch, n, dtype=torch.long)
+        elif kind in ("mochi", "omnigen2"):  # one row: model_base turns its sum into num_tokens
+            extra["attention_mask"] = torch.ones(1, n, dtype=torch.long)
+        elif kind == "ace_step":
+            vocab = spec.unet_config["lyric_encoder_vocab_size"]
+            extra["conditioning_lyrics"] = torch.randint(0, vocab, (batch, 6), generator=gen)
+        elif kind == "stable_audio":
+            extra["seconds_start"] = 0.0
+            extra["seconds_total"] = 10.0
+        return [[torch.randn(batch, n, spec.context_dim, generator=gen), extra]]
+
+    return one(), one()
+
+
+def sample_family(model, kind: str, *, steps: int = 2, sigmas: torch.Tensor | None = None, seed: int = 0,
+                  cfg: float | None = None, batch: int = 1) -> torch.Tensor:
+    """Run ComfyUI's own sampler (euler, normal schedule) on the tiny `kind` model and return the denoised latent;
+    `sigmas` replaces the schedule; `cfg` defaults to the family's (CFG > 1, as hunyuan3d21 requires)."""
+    import comfy.sample
+
+    positive, negative = family_conditioning(kind, batch=batch)
+    latent = family_latent(kind, batch)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    with torch.inference_mode():
+        return comfy.sample.sample(
+            model, noise, steps, _spec(kind).cfg if cfg is None else cfg, "euler", "normal", positive, negative,
+            latent, denoise=1.0, disable_pbar=True, seed=seed, sigmas=sigmas,
+        )
