@@ -147,3 +147,35 @@ def test_blocks_that_pass_state_besides_their_arguments_run_uncached_and_say_so(
         assert torch.equal(out, plain)
         assert any("ran MadeUpDiT uncached: the blocks it found (cells (" in summary and "did not reproduce" in summary
                    for summary in summaries), summaries
+
+
+@pytest.mark.parametrize("kind", [*COMFY_FAMILIES, "made_up"])
+def test_compile_model_compiles_the_found_blocks_one_region_per_class(pack, monkeypatch, kind):
+    """Compile Model's blocks strategy reaches the same stacks (nodes/block_stacks.py): every block of each found
+    stack runs through its class's compiled region, graphs are compiled, and the output is the eager model's."""
+    from comfyui_int8_accel.nodes import compile as compile_core
+    from comfyui_int8_accel.nodes.block_stacks import find_block_stacks, stack_members
+    from comfyui_int8_accel.nodes.compile import blocks
+    from tests.support.counting_backend import COUNTING, register_counting_backend
+
+    register_counting_backend()
+    torch._dynamo.reset()
+    monkeypatch.setattr(blocks, "_block_regions", {})
+    model = tiny(kind)
+    net = model.get_model_object("diffusion_model")
+    expected = {id(block) for stack in find_block_stacks(net) for block in stack_members(net.get_submodule(stack.path))}
+    planned: list[set[int]] = []
+    plan = blocks.plan_block_forwards
+
+    def recording_plan(*args, **kwargs):
+        forwards = plan(*args, **kwargs)
+        planned.append({id(block) for block, _ in forwards})
+        return forwards
+
+    monkeypatch.setattr(blocks, "plan_block_forwards", recording_plan)
+    eager = sample_family(model, kind, steps=2)
+    settings = compile_core.CompileSettings(backend=COUNTING, dynamic="false")
+    compiled = sample_family(compile_core.compile_model(model, settings, strategy="blocks"), kind, steps=2)
+    assert planned and all(calls == expected for calls in planned), kind
+    assert sum(region.graphs_compiled for region in blocks._block_regions.values()) > 0
+    assert float((compiled - eager).norm() / eager.norm()) < 1e-5
