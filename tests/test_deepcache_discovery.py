@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (the fixture imported from tests.support.deepcache_tiny is a test argument here)
 """DeepCache on models its family table does not name: their block stacks found in the module tree, the streams
 learned from the first call and checked against the model, in the real ComfyUI 0.3.75.
 
@@ -13,11 +14,7 @@ import torch
 
 from harness import trained_models as tm
 from harness.tiny_models import build_tiny_model, sample
-
-
-@pytest.fixture(scope="module")
-def deepcache(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.deepcache")
+from tests.support.deepcache_tiny import deepcache  # noqa: F401 (a fixture)
 
 
 @pytest.fixture

@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (the fixtures imported from tests.support.deepcache_tiny are test arguments here)
 """DeepCache on the diffusion families ComfyUI 0.3.75 ships that its table does not name, built tiny through each
 family's own `supported_models` config as a loader builds them (harness/tiny_families.py), and on two made-up
 ones: a block stack under a name and a call signature no ComfyUI model uses, and one whose blocks pass state
@@ -11,25 +12,13 @@ import pytest
 import torch
 
 from harness.tiny_families import block_stack, build_family, sample_family
+from tests.support.deepcache_tiny import deepcache, one_thread  # noqa: F401 (fixtures)
 
 COMFY_FAMILIES = ["auraflow", "pixart", "hunyuan_dit", "mochi", "cosmos1", "omnigen2", "ace_step", "stable_audio",
                   "hunyuan3d", "hunyuan3d21"]
 CACHED = [*COMFY_FAMILIES, "made_up", "made_up_long_skip"]
 STEPS = 6
 _MODELS: dict = {}
-
-
-@pytest.fixture(scope="module")
-def deepcache(pack):
-    return importlib.import_module("comfyui_int8_accel.nodes.deepcache")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(kind: str):
