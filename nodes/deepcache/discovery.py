@@ -22,7 +22,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,13 +48,21 @@ def not_found_message(diffusion_model: torch.nn.Module) -> str:
 
 
 # --- learning from a call ----------------------------------------------------------------------------------------
+Place = tuple[int, str]  # (position, keyword) of an argument; KEYWORD_ONLY when it came by keyword only
+
+
 @dataclass
 class _BlockCall:
+    """One block call, as discovery keeps it: no tensor (on a GPU, every block's activations of a video model would
+    be gigabytes), only each tensor argument's shape and dtype and, where it is a tensor an earlier block returned,
+    which (call, output position); the same of the outputs, with a weak reference for identity checks."""
+
     stack: int
     index: int
-    args: tuple
-    kwargs: dict
-    output: object = None
+    arguments: dict[Place, tuple] = field(default_factory=dict)  # place -> (shape, dtype)
+    sources: dict[Place, tuple[int, int]] = field(default_factory=dict)  # place -> (call number, output position)
+    outputs: list[tuple | None] = field(default_factory=list)  # per output: (shape, dtype), None when no tensor
+    done: bool = False
 
 
 class LearnFailed(Exception):
@@ -69,50 +77,48 @@ def _parameter_names(block: torch.nn.Module) -> list[str]:
     return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def _where(value: torch.Tensor, call: _BlockCall) -> tuple[int, str] | None:
-    """(position, keyword) at which `call` received exactly `value`."""
-    for position, arg in enumerate(call.args):
-        if arg is value:
-            return position, ""
-    for name, arg in call.kwargs.items():
-        if arg is value:
-            return KEYWORD_ONLY, name
-    return None
-
-
-def _shaped_like(value: torch.Tensor, call: _BlockCall, taken: list) -> tuple[int, str] | None:
-    """Where `call` received the one tensor shaped as `value` (the forward reshaped the stream between blocks, as
-    HiDream swaps the prompt rows it appends): None when no argument or more than one is."""
-    places = [(position, "") for position, arg in enumerate(call.args)
-              if isinstance(arg, torch.Tensor) and arg.shape == value.shape and arg.dtype == value.dtype]
-    places += [(KEYWORD_ONLY, name) for name, arg in call.kwargs.items()
-               if isinstance(arg, torch.Tensor) and arg.shape == value.shape and arg.dtype == value.dtype]
-    places = [place for place in places if place not in taken]
-    return places[0] if len(places) == 1 else None
-
-
 def _outputs(output) -> tuple:
     return tuple(output) if isinstance(output, (tuple, list)) else (output,)
+
+
+def _tensor_arguments(args: tuple, kwargs: dict) -> list[tuple[Place, torch.Tensor]]:
+    found = [((position, ""), arg) for position, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+    return found + [((KEYWORD_ONLY, name), arg) for name, arg in kwargs.items() if isinstance(arg, torch.Tensor)]
 
 
 def record_block_calls(diffusion_model: torch.nn.Module, stacks: list[FoundStack], run: Callable[[], object]):
     """(what `run` returned, every block call it made in order): each found block hooked for the one call."""
     calls: list[_BlockCall] = []
+    returned: dict[int, tuple[weakref.ref, int, int]] = {}  # id(tensor) -> (reference, call number, output position)
     handles = []
+
+    def before(module, args, kwargs, number: int, index: int):
+        call = _BlockCall(number, index)
+        for place, tensor in _tensor_arguments(args, kwargs):
+            call.arguments[place] = (tuple(tensor.shape), tensor.dtype)
+            source = returned.get(id(tensor))
+            if source is not None and source[0]() is tensor:
+                call.sources[place] = source[1:]
+        calls.append(call)
+
+    def after(module, args, kwargs, output, number: int, index: int):
+        position = next(n for n in range(len(calls) - 1, -1, -1)
+                        if calls[n].stack == number and calls[n].index == index and not calls[n].done)
+        call = calls[position]
+        call.done = True
+        for k, value in enumerate(_outputs(output)):
+            if isinstance(value, torch.Tensor):
+                call.outputs.append((tuple(value.shape), value.dtype))
+                returned[id(value)] = (weakref.ref(value), position, k)
+            else:
+                call.outputs.append(None)
+
     for number, stack in enumerate(stacks):
-        container = diffusion_model.get_submodule(stack.path)
-        for index, block in enumerate(stack_members(container)):
-            def before(module, args, kwargs, number=number, index=index):
-                calls.append(_BlockCall(number, index, args, kwargs))
-
-            def after(module, args, kwargs, output, number=number, index=index):
-                for call in reversed(calls):
-                    if call.stack == number and call.index == index and call.output is None:
-                        call.output = output
-                        break
-
-            handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
-            handles.append(block.register_forward_hook(after, with_kwargs=True))
+        for index, block in enumerate(stack_members(diffusion_model.get_submodule(stack.path))):
+            handles.append(block.register_forward_pre_hook(
+                lambda m, a, k, number=number, index=index: before(m, a, k, number, index), with_kwargs=True))
+            handles.append(block.register_forward_hook(
+                lambda m, a, k, o, number=number, index=index: after(m, a, k, o, number, index), with_kwargs=True))
     try:
         return run(), calls
     finally:
@@ -131,16 +137,16 @@ def learn_family(diffusion_model: torch.nn.Module, stacks: list[FoundStack],
     for number, stack in enumerate(stacks):
         if number not in ran:
             raise LearnFailed(f"{stack.path} ran none of its blocks")
-    by_stack: dict[int, list[_BlockCall]] = {}
-    for call in calls:
-        by_stack.setdefault(call.stack, []).append(call)
-    mappings = [_stream_places(stack, by_stack[number]) for number, stack in enumerate(stacks)]
+    numbered: dict[int, list[int]] = {}
+    for position, call in enumerate(calls):
+        numbered.setdefault(call.stack, []).append(position)
+    mappings = [_stream_places(stack, calls, numbered[number]) for number, stack in enumerate(stacks)]
     block_stacks = []
     for number, stack in enumerate(stacks):
         names = _parameter_names(stack_members(diffusion_model.get_submodule(stack.path))[0])
         arguments = tuple((position, names[position] if position < len(names) else keyword)
                           for position, keyword in mappings[number])
-        extra = max(len(_outputs(call.output)) for call in by_stack[number]) - len(mappings[number])
+        extra = max(len(calls[n].outputs) for n in numbered[number]) - len(mappings[number])
         block_stacks.append(BlockStack(stack.path, tuple(f"stream{n}" for n in range(len(mappings[number]))),
                                        arguments=arguments, extra_outputs=extra))
     long_skip = _long_skip(calls, mappings)
@@ -149,17 +155,28 @@ def learn_family(diffusion_model: torch.nn.Module, stacks: list[FoundStack],
     return family, seen, long_skip
 
 
-def _stream_places(stack: FoundStack, stack_calls: list[_BlockCall]) -> list[tuple[int, str]]:
+def _handed_on(calls: list[_BlockCall], previous: int, nxt: int, k: int, taken: list[Place]) -> Place | None:
+    """Where call `nxt` took output `k` of call `previous`: the very tensor, else the one argument of its shape
+    (the forward reshaped the stream between blocks, as HiDream swaps the prompt rows it appends)."""
+    for place, source in calls[nxt].sources.items():
+        if source == (previous, k):
+            return place
+    shape = calls[previous].outputs[k]
+    if shape is None:
+        return None
+    alike = [place for place, argument in calls[nxt].arguments.items() if argument == shape and place not in taken]
+    return alike[0] if len(alike) == 1 else None
+
+
+def _stream_places(stack: FoundStack, calls: list[_BlockCall], numbers: list[int]) -> list[Place]:
     """Where each of a block's leading outputs enters the next block of the stack: the same for every pair."""
-    if len(stack_calls) < 2:
+    if len(numbers) < 2:
         raise LearnFailed(f"{stack.path} ran one block only")
     mapping = None
-    for previous, nxt in zip(stack_calls, stack_calls[1:], strict=False):
-        places = []
-        for value in _outputs(previous.output):
-            place = None
-            if isinstance(value, torch.Tensor):
-                place = _where(value, nxt) or _shaped_like(value, nxt, places)
+    for previous, nxt in zip(numbers, numbers[1:], strict=False):
+        places: list[Place] = []
+        for k in range(len(calls[previous].outputs)):
+            place = _handed_on(calls, previous, nxt, k, places)
             if place is None:
                 break
             places.append(place)
@@ -172,21 +189,13 @@ def _stream_places(stack: FoundStack, stack_calls: list[_BlockCall]) -> list[tup
     return mapping
 
 
-def _long_skip(calls: list[_BlockCall], mappings: list[list[tuple[int, str]]]) -> bool:
+def _long_skip(calls: list[_BlockCall], mappings: list[list[Place]]) -> bool:
     """Whether a block's output reaches a later block other than as a stream handed on (HunyuanDiT's skips)."""
     for position, call in enumerate(calls):
-        for value in _outputs(call.output):
-            if not isinstance(value, torch.Tensor):
-                continue
-            for later_position in range(position + 1, len(calls)):
-                later = calls[later_position]
-                place = _where(value, later)
-                if place is None:
-                    continue
-                handed_on = place in mappings[later.stack] and (later.stack == call.stack
-                                                                or later_position == position + 1)
-                if not handed_on:
-                    return True
+        for place, (source, _) in call.sources.items():
+            handed_on = place in mappings[call.stack] and (calls[source].stack == call.stack or position == source + 1)
+            if not handed_on:
+                return True
     return False
 
 
