@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench/results/deepcache_new_families.md"))
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from tests.conftest import import_comfy, load_pack
+    from harness.comfy_host import import_comfy, load_pack
 
     import_comfy()
     load_pack()
