@@ -26,7 +26,7 @@ class FoundStack:
     share: float  # of the model's parameters
 
 
-def _parameters(module: torch.nn.Module) -> int:
+def parameter_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
@@ -46,14 +46,14 @@ def is_block_container(module: torch.nn.Module) -> bool:
 
 
 def _find(diffusion_model: torch.nn.Module) -> tuple[FoundStack, ...]:
-    total = _parameters(diffusion_model)
+    total = parameter_count(diffusion_model)
     found: list[FoundStack] = []
     if not total:
         return ()
     for path, module in diffusion_model.named_modules():
         if any(path.startswith(stack.path + ".") for stack in found) or not is_block_container(module):
             continue
-        share = _parameters(module) / total
+        share = parameter_count(module) / total
         if share >= MIN_STACK_SHARE:
             found.append(FoundStack(path, type(stack_members(module)[0]).__name__, len(module), share))
     return tuple(found) if sum(stack.share for stack in found) > MIN_TOTAL_SHARE else ()

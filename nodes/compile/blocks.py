@@ -4,9 +4,9 @@ class, swapped in only while the model runs.
 Which blocks: a UNet's ResBlocks and the transformer blocks of its SpatialTransformers (inside its input, middle
 and output blocks), else the block stacks of any other model, as DeepCache finds them (`nodes/block_stacks.py`:
 Flux's double and single blocks, SD3's joint blocks, Cosmos 1's ModuleDict, a nested stack such as HiDream-O1's
-`language_model.layers`), else the largest list of like blocks anywhere. Everything between blocks (embeddings, the sampler-facing forward,
-DeepCache's step logic, ControlNet additions, a SpatialTransformer's norm and projections) stays eager Python,
-so block replacements and skipped blocks compose.
+`language_model.layers`), else the largest list of like blocks anywhere. Everything between blocks (embeddings,
+the sampler-facing forward, DeepCache's step logic, ControlNet additions, a SpatialTransformer's norm and
+projections) stays eager Python, so block replacements and skipped blocks compose.
 
 A UNet's transformer blocks, not its SpatialTransformers: a region's graph unrolls every block inside it, so
 each depth was a graph of its own, compiled again, and the larger the longer (SDXL's depth-10 transformers took
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..block_stacks import find_block_stacks, is_block_container, stack_members
+from ..block_stacks import find_block_stacks, is_block_container, parameter_count, stack_members
 from ..comfy_contracts import has_weight_patches, uses_vbar_cast
 from .attention import only_own_override
 from .compile_events import tell_block_run
@@ -67,10 +67,6 @@ def _unet_blocks(diffusion_model: torch.nn.Module) -> list[torch.nn.Module] | No
     return blocks
 
 
-def _parameter_count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def _stacks(diffusion_model: torch.nn.Module) -> list[torch.nn.Module]:
     """The containers of the model's block stacks (`find_block_stacks`), else its largest container of like blocks
     anywhere."""
@@ -78,7 +74,7 @@ def _stacks(diffusion_model: torch.nn.Module) -> list[torch.nn.Module]:
     if found:
         return found
     anywhere = [module for module in diffusion_model.modules() if is_block_container(module)]
-    return [max(anywhere, key=_parameter_count)] if anywhere else []
+    return [max(anywhere, key=parameter_count)] if anywhere else []
 
 
 def repeated_blocks(diffusion_model: torch.nn.Module) -> list[torch.nn.Module]:

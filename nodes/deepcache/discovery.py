@@ -257,14 +257,18 @@ class DiscoveredBlocks:
             model.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, self.apply_model)
 
     def diffusion_model(self, executor, *args, **kwargs):
-        return self._run(executor.class_obj, lambda: executor(*args, **kwargs),
-                         lambda: executor(*[_cloned(a) for a in args], **{k: _cloned(v) for k, v in kwargs.items()}))
+        return self._run(executor.class_obj, executor, args, kwargs)
 
     def apply_model(self, executor, *args, **kwargs):
-        return self._run(executor.class_obj.diffusion_model, lambda: executor(*args, **kwargs),
-                         lambda: executor(*[_cloned(a) for a in args], **{k: _cloned(v) for k, v in kwargs.items()}))
+        return self._run(executor.class_obj.diffusion_model, executor, args, kwargs)
 
-    def _run(self, net: torch.nn.Module, call_as_is: Callable, fresh_call: Callable):
+    def _run(self, net: torch.nn.Module, executor, args: tuple, kwargs: dict):
+        def call_as_is():
+            return executor(*args, **kwargs)
+
+        def fresh_call():  # the learning and checking calls each get their own copies of the inputs
+            return executor(*[_cloned(a) for a in args], **{k: _cloned(v) for k, v in kwargs.items()})
+
         call = active_call()
         learned = self._learned.get(net)
         if learned is None:

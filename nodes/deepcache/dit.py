@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..block_stacks import stack_members
 from ..wrapper_args import wrapper_arg
 from .families import BlockStack, Family
 from .segments import BlockPlace, Streams, middle_places, run_middle_block, run_whole_block
@@ -46,7 +47,7 @@ def install_dit(model, depth: int, family: Family, layout: list[tuple[int, int]]
     if any(stack.patch is None or stack.prefetched for stack in family.stacks):
         model.add_wrapper_with_key(WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, block_swap(family, middle))
     skipped_hooks: dict[str, set[int]] = {}
-    for (stack_number, index), place in middle_places(layout, depth).items():
+    for (stack_number, index), place in middle.items():
         hooks = family.stacks[stack_number].post_hooks
         if hooks is not None and not place.ends:
             skipped_hooks.setdefault(hooks, set()).add(index)
@@ -199,11 +200,10 @@ def block_swap(family: Family, middle: dict[tuple[int, int], BlockPlace]) -> Cal
                 if stack.patch is not None and call.mode is not Mode.CACHED:
                     continue
                 blocks = stack.blocks(net)
-                members = blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks
                 originals.append((stack, stack.swap_blocks(net, _like(blocks, [
                     CachedBlock(block, stack_places[index], stack, call.mode is Mode.CAPTURE)
                     if index in stack_places else block
-                    for index, block in enumerate(members)]))))
+                    for index, block in enumerate(stack_members(blocks))]))))
             return executor(*args, **kwargs)
         finally:
             for stack, blocks in reversed(originals):

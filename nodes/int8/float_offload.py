@@ -20,10 +20,8 @@ nor where the computing device is system memory, nor when `INT8_ACCEL_KEEP_FLOAT
 
 from __future__ import annotations
 
-import contextlib
 import os
 import types
-from collections.abc import Iterator
 
 import comfy.lora
 import comfy.model_management
@@ -32,17 +30,20 @@ import comfy.utils
 import torch
 
 from ..comfy_contracts import is_dynamic
+from .layout import swapped_modules
 
 KEEP_FLOAT_WEIGHTS_ENV = "INT8_ACCEL_KEEP_FLOAT_WEIGHTS"
 PREFIX = "diffusion_model."
 
 
-def holds_floats_off(patcher) -> bool:
-    """Whether the float layers of `patcher`'s INT8 layers stay off its computing device."""
-    if os.environ.get(KEEP_FLOAT_WEIGHTS_ENV, "") == "1" or is_dynamic(patcher):
+def holds_floats_off(patcher, device: torch.device | str | None = None) -> bool:
+    """Whether the float layers of `patcher`'s INT8 layers stay off its computing device (`device` where given,
+    else its load device); False for no patcher."""
+    if patcher is None or os.environ.get(KEEP_FLOAT_WEIGHTS_ENV, "") == "1" or is_dynamic(patcher):
         return False
-    load, offload = getattr(patcher, "load_device", None), getattr(patcher, "offload_device", None)
-    return load is not None and offload is not None and torch.device(load) != torch.device(offload)
+    device = device if device is not None else getattr(patcher, "load_device", None)
+    offload = getattr(patcher, "offload_device", None)
+    return device is not None and offload is not None and torch.device(device) != torch.device(offload)
 
 
 def can_hold_off(module: torch.nn.Module) -> bool:
@@ -104,22 +105,6 @@ def _patch_changes_shape(patcher, key: str, tensor: torch.Tensor) -> bool:
     return calculate_shape is not None and calculate_shape(patcher.patches[key], tensor, key) != tensor.shape
 
 
-@contextlib.contextmanager
-def taken_out(root: torch.nn.Module, paths: list[str]) -> Iterator[None]:
-    """The modules at `paths` under `root` replaced by empty ones for the block (what ComfyUI's load walks)."""
-    held = []
-    try:
-        for path in paths:
-            parent_path, _, leaf = path.rpartition(".")
-            parent = root.get_submodule(parent_path)
-            held.append((parent, leaf, parent._modules[leaf]))
-            parent._modules[leaf] = torch.nn.Module()
-        yield
-    finally:
-        for parent, leaf, module in reversed(held):
-            parent._modules[leaf] = module
-
-
 def load_holding_floats_off(patcher, device_to=None, lowvram_model_memory=0, force_patch_weights=False,
                             full_load=False):
     """`ModelPatcher.load` for a patcher carrying an INT8 plan: the float layers of the plan's INT8 layers stay in
@@ -132,8 +117,8 @@ def load_holding_floats_off(patcher, device_to=None, lowvram_model_memory=0, for
     held = plan.layers_to_hold_off(patcher, device_to) if plan is not None and not force_patch_weights else {}
     if not held:
         return load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load)
-    root = patcher.model.diffusion_model
-    with plan.deferring_on_load(patcher), taken_out(root, [path for path, _ in held.values()]):
+    empty = {path: torch.nn.Module() for path, _ in held.values()}  # what ComfyUI's load walks in their place
+    with plan.deferring_on_load(patcher), swapped_modules(patcher.model.diffusion_model, empty):
         load(patcher, device_to, lowvram_model_memory, force_patch_weights, full_load)
         whole_size_counted = full_load and not patcher.model.model_lowvram
     for name, (_, module) in held.items():

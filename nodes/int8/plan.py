@@ -214,8 +214,7 @@ class Int8Plan:
         """{name: (path, float layer)} of the layers a load of `patcher` onto `device_to` leaves in system memory:
         those the plan's last calibration put in INT8 (none before the first), where ComfyUI can cast them."""
         result = self.last_result or self.shown_result
-        if result is None or device_to is None or not holds_floats_off(patcher) or \
-                torch.device(device_to) == torch.device(patcher.offload_device):
+        if result is None or device_to is None or not holds_floats_off(patcher, device_to):
             return {}
         root = patcher.model.diffusion_model
         candidates = self._candidates.get(root)
@@ -355,11 +354,12 @@ class Int8Plan:
         copies = self.copies_of(base_model)
         request = (tuple(names), device, bypass)
         patcher = getattr(base_model, "current_patcher", None)
-        hold = patcher is not None and holds_floats_off(patcher) and \
-            torch.device(device) != torch.device(patcher.offload_device)
+        hold = holds_floats_off(patcher, device)
         last = copies.last_swap
-        if last is not None and last[0] == request and all(copies.modules.get(name) is layer for name, layer in last[2]) \
-                and not (copies.holding_floats and not base_model.model_lowvram):
+        # a load by a MODEL without INT8 (model_lowvram off) may have put held float layers back on the device
+        floats_reloaded = copies.holding_floats and not base_model.model_lowvram
+        if last is not None and last[0] == request and not floats_reloaded \
+                and all(copies.modules.get(name) is layer for name, layer in last[2]):
             return last[1]  # the same copies as the previous call, already placed and tracked
         candidates = self._candidates.get(root)
         out, placed = {}, []
@@ -547,8 +547,7 @@ class Int8Plan:
         measurements: dict[str, LayerMeasurement] = {}
         memory = {"kept": 0, "peak": 0, "held": 0}  # INT8 copies kept, float layers held off, the peak of the two
         patcher = getattr(base_model, "current_patcher", None)
-        hold = patcher is not None and holds_floats_off(patcher) and \
-            torch.device(args[0].device) != torch.device(patcher.offload_device)
+        hold = holds_floats_off(patcher, args[0].device)
         gate, timings, remeasure_budget = speed_gate_enabled(), {}, RemeasureBudget()
         progress = comfy.utils.ProgressBar(len(candidates))
         log.info("int8-accel: calibrating %d layers on the first step (latent %s)", len(candidates),
