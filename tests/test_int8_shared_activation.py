@@ -17,6 +17,7 @@ from comfyui_int8_accel.kernels import (
     record_calls,
 )
 from comfyui_int8_accel.kernels import cuda as cuda_backend
+from tests.support.triton_launches import record_launches
 
 
 def _weights(n: int, k: int, seed: int):
@@ -46,15 +47,7 @@ def launches(monkeypatch) -> list[str]:
 
     if not triton_kernels.AVAILABLE or not triton_kernels.INTERPRETED:
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
-    names: list[str] = []
-    autotuned_run = triton_kernels.ChosenConfigAutotuner.run
-
-    def counting_run(self, *args, **kwargs):
-        names.append(self.base_fn.__name__)
-        return autotuned_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(triton_kernels.ChosenConfigAutotuner, "run", counting_run)
-    return names
+    return record_launches(monkeypatch, triton_kernels)
 
 
 def _group(size: int) -> list[SharedInput]:

@@ -37,6 +37,7 @@ from comfyui_int8_accel.kernels import (  # noqa: E402
 from comfyui_int8_accel.kernels import cuda as cuda_backend  # noqa: E402
 from comfyui_int8_accel.kernels import triton_kernels as _triton_kernels  # noqa: E402
 from comfyui_int8_accel.kernels.triton_interpreter import interpreter_problem  # noqa: E402
+from tests.support.triton_launches import record_launches  # noqa: E402
 from tests.support.triton_offsets import OFFSET_CHECKS  # noqa: E402
 from tests.support.triton_toolchain import compiled_triton_on_cuda  # noqa: E402
 
@@ -74,15 +75,7 @@ def tk():
 @pytest.fixture
 def launches(tk, monkeypatch) -> list[str]:
     """The names of the autotuned Triton kernels launched while the test runs, in order."""
-    names: list[str] = []
-    autotuned_run = tk.ChosenConfigAutotuner.run
-
-    def counting_run(self, *args, **kwargs):
-        names.append(self.base_fn.__name__)
-        return autotuned_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(tk.ChosenConfigAutotuner, "run", counting_run)
-    return names
+    return record_launches(monkeypatch, tk)
 
 
 def weights(shape, bits: int, seed: int = 0):
