@@ -16,32 +16,22 @@ class Int8AccelCompile(io.ComfyNode):
         return pack_schema(
             "Int8AccelCompile", "Compile Model",
             description=(
-                "Speeds up sampling with torch.compile. On a GPU it compiles the diffusion model's repeated "
-                "blocks (UNet, Flux, SD3 and other DiTs); on the CPU the pieces measured faster there "
-                "(prepacked conv/linear weights, fused attention, the GEGLU gate). Compiles on the first run; "
-                "LoRA and strength changes never recompile; a new resolution recompiles once at most (dynamic "
-                "auto: at the second resolution) or never (true); falls back to eager with a warning if the "
-                "compile backend or compiler is missing. Under ComfyUI's dynamic VRAM (the default on NVIDIA), "
-                "which streams weights layer by layer, it compiles a copy ComfyUI loads without streaming, as "
-                "ComfyUI's TorchCompileModel does. INT8_ACCEL_COMPILE_STRATEGY=blocks|cpu-pieces overrides the "
-                "choice. The node says when it is compiling and, after each run, how long it took (compiling: "
-                "graphs and seconds per compiled region, also in the log), or why it runs eagerly."),
+                "Speeds up sampling with torch.compile: the diffusion model's repeated blocks on a GPU, the pieces "
+                "measured faster on the CPU. LoRA and strength changes never recompile, a new resolution "
+                "recompiles once at most, and a missing compiler falls back to eager with a warning. After each "
+                "run the node shows what compiled and how long it took. Details: "
+                "https://github.com/comfyui-int8-accel/comfyui-int8-accel/blob/main/docs/compile.md"),
             inputs=[
                 io.Model.Input("model", tooltip="The model to compile (it is cloned, never changed)."),
                 io.Combo.Input("backend", options=available_compile_backends(), default="inductor", tooltip=(
-                    "torch.compile backend. inductor generates fused kernels (needs a C++ compiler on CPU, "
-                    "Triton on GPU); aot_eager/eager only trace, for debugging.")),
+                    "torch.compile backend: inductor generates fused kernels (a C++ compiler on CPU, Triton on "
+                    "GPU); aot_eager/eager only trace, for debugging.")),
                 io.Combo.Input("mode", options=MODE_CHOICES, default="default", tooltip=(
-                    "Inductor mode. reduce-overhead uses CUDA graphs on GPU (one graph step per model call, "
-                    "block outputs copied out of the graph memory); max-autotune searches kernel configs (slow "
-                    "first compile) and uses CUDA graphs too; max-autotune-no-cudagraphs does not. Ignored by "
-                    "other backends.")),
+                    "Inductor mode: reduce-overhead and max-autotune replay CUDA graphs on a GPU, "
+                    "max-autotune-no-cudagraphs does not. Ignored by other backends.")),
                 io.Combo.Input("dynamic", options=DYNAMIC_CHOICES, default="auto", tooltip=(
-                    "Dynamic shapes. auto: static shapes at the first resolution (the fastest compile and "
-                    "code; the block shapes of one model call each get a graph), then once more with dynamic "
-                    "shapes at the second, which every later resolution reuses; true: dynamic shapes from the "
-                    "start; false: static shapes, each new resolution recompiles. On the CPU's default strategy "
-                    "(cpu-pieces) auto is dynamic from the start.")),
+                    "auto: static shapes at the first resolution, dynamic ones from the second; true: dynamic "
+                    "from the start; false: static, each new resolution recompiles.")),
                 io.Boolean.Input("fullgraph", default=False, tooltip=(
                     "Fail a compiled region on any graph break instead of splitting it (a failure still falls "
                     "back to eager with a warning).")),

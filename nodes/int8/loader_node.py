@@ -18,10 +18,10 @@ class Int8AccelLoadModel(io.ComfyNode):
         return pack_schema(
             "Int8AccelLoadModel", "Load Diffusion Model (INT8)",
             description=(
-                "Loads a diffusion model saved in ComfyUI's INT8 format (int8 weight + weight_scale + comfy_quant "
-                "per layer). Its INT8 Linear and Conv2d layers stay int8 in memory and run on the INT8 kernels, so "
-                "the model takes about a quarter of its fp32 size (half of fp16); the other layers load as usual. "
-                "LoRA works on it as on any model. Plain float files load too."),
+                "Loads a diffusion model saved in ComfyUI's INT8 format. Its INT8 layers stay int8 in memory and "
+                "run on the INT8 kernels, about a quarter of the fp32 size; LoRA works as on any model, and plain "
+                "float files load too. Details: "
+                "https://github.com/comfyui-int8-accel/comfyui-int8-accel/blob/main/docs/int8-files.md"),
             inputs=[
                 io.Combo.Input("unet_name", options=folder_paths.get_filename_list(FOLDER),
                                tooltip="A .safetensors file in ComfyUI's diffusion_models folder."),

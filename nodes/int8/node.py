@@ -11,9 +11,8 @@ from .picture import node_picture
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
 
 MSE_TOOLTIP = (
-    "Normalized output error allowed for a {kind} layer: mean((y_int8 - y)^2) / mean(y^2), measured on the "
-    "real inputs of the first sampling step. Layers above it stay in floating point; 0 keeps every {kind} "
-    "layer in floating point, 1 accepts any error."
+    "The largest normalized output error, mean((y_int8 - y)^2) / mean(y^2), a {kind} layer may have in INT8. "
+    "0 keeps every {kind} layer float, 1 accepts any error."
 )
 WIDGETS = ("bits", "quantize_conv", "quantize_linear", "conv_mse_threshold", "linear_mse_threshold",
            "compute_density_threshold")
@@ -25,20 +24,15 @@ class Int8AccelQuantize(io.ComfyNode):
         return pack_schema(
             "Int8AccelQuantize", "Quantize Model (INT8)",
             description=(
-                "Runs the model's Linear and Conv2d layers in INT8 (W8A8) where that is accurate and worth it. "
-                "The first sampling step calibrates: every candidate layer measures its INT8 error on the real "
-                "inputs, and layers that pass both gates (error and compute density) switch to INT8 from the "
-                "next step on. The decision is cached on disk per model, LoRA, settings and latent size, so "
-                "later runs skip calibration. Calibration happens while the sampler runs, after this node ran: "
-                "its summary and the decision picture then show on this node, and the next queue of the prompt "
-                "returns the full report and the picture as outputs (until then the picture says calibration is "
-                "pending)."),
+                "Runs the model's Linear and Conv2d layers in INT8 (W8A8) where that is measured accurate and "
+                "faster. The first sampling step calibrates on the real inputs, and the decision is cached on "
+                "disk. Its summary and picture then show on this node; the next queue returns the full report. "
+                "Details: https://github.com/comfyui-int8-accel/comfyui-int8-accel/blob/main/docs/int8.md"),
             inputs=[
                 io.Model.Input("model", tooltip="The model to accelerate. It is cloned, never modified."),
                 io.Int.Input("bits", default=8, min=8, max=8, step=1, tooltip=(
-                    "8 = W8A8: int8 weights (symmetric, per output channel) and int8 activations quantized at "
-                    "run time (per token for Linear, per tensor for Conv2d), int32 accumulation, rescaled to "
-                    "the compute dtype, bias added after. Only 8 is supported.")),
+                    "8 = W8A8: int8 weights per output channel, int8 activations quantized at run time. Only 8 "
+                    "is supported.")),
                 io.Combo.Input("quantize_conv", options=list(ENABLE), default="enable",
                                tooltip="Consider Conv2d layers."),
                 io.Combo.Input("quantize_linear", options=list(ENABLE), default="enable",
@@ -48,22 +42,18 @@ class Int8AccelQuantize(io.ComfyNode):
                 io.Float.Input("linear_mse_threshold", default=0.1, min=0.0, max=1.0, step=0.001,
                                tooltip=MSE_TOOLTIP.format(kind="Linear")),
                 io.Int.Input("compute_density_threshold", default=300, min=0, max=1_000_000, step=1, tooltip=(
-                    "Minimum arithmetic intensity M*K*N / (M*K + K*N + M*N) for a layer to be quantized, with "
-                    "M tokens (Conv2d: batch*H_out*W_out), K inputs (Conv2d: C_in*kh*kw/groups) and N outputs. "
-                    "Layers below it do too little work to repay quantizing their activations.")),
+                    "The smallest compute density, M*K*N / (M*K + K*N + M*N), a layer needs to be considered. "
+                    "Lower it on CPUs with VNNI (0-100): the speed gate still drops the layers that lose.")),
             ],
             outputs=[
                 io.Model.Output(display_name="model",
                                 tooltip="The model with INT8 layers (swapped in while it runs)."),
                 io.String.Output(display_name="report", tooltip=(
-                    "Markdown for Preview as Text: a summary line, then a table with one row per candidate layer "
-                    "(name, kind, shape, density, error, timings, the gate that decided, decision). Calibration "
-                    "runs during the first sampling step, so a new model or setting shows it from the next run "
-                    "on.")),
+                    "Markdown for Preview as Text: a summary line and one row per candidate layer with the gate "
+                    "that decided. Shown from the run after calibration.")),
                 io.Image.Output(display_name="decision", tooltip=(
-                    "Optional: a picture of the decision for Preview Image: each layer's error against its "
-                    "compute density (log axes), coloured INT8 / float by error / by density / by speed, with "
-                    "both thresholds drawn and the summary as title. Shown from the run after calibration.")),
+                    "Optional: the decision as a picture for Preview Image, each layer's error against its "
+                    "compute density. Shown from the run after calibration.")),
             ],
             hidden=[io.Hidden.unique_id],
         )

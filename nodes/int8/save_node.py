@@ -14,29 +14,23 @@ class Int8AccelSaveModel(io.ComfyNode):
         return pack_schema(
             "Int8AccelSaveModel", "Save INT8 Model",
             description=(
-                "Saves the diffusion model of a MODEL that went through Quantize Model (INT8) as one .safetensors "
-                "in ComfyUI's INT8 format, in the diffusion_models folder: the layers int8_layers picks are "
-                "written as int8 weight + weight_scale + comfy_quant, the rest as it is, with the settings and "
-                "the calibration report in the file's metadata. Load it with Load Diffusion Model (INT8). "
-                "Calibration happens on the first sampling step, so the save must run after a sampler used the "
-                "model: in the same workflow, connect the sampler's LATENT output to after_sampling."),
+                "Saves a MODEL from Quantize Model (INT8) as one .safetensors in ComfyUI's INT8 format, in the "
+                "diffusion_models folder; load it with Load Diffusion Model (INT8). Connect the sampler's LATENT "
+                "output to after_sampling, so the save runs after calibration. Details: "
+                "https://github.com/comfyui-int8-accel/comfyui-int8-accel/blob/main/docs/int8-files.md"),
             inputs=[
                 io.Model.Input("model", tooltip="The MODEL output of Quantize Model (INT8), after one sampling run."),
                 io.String.Input("filename_prefix", default="int8/diffusion_model",
                                 tooltip="Path and file name prefix inside the diffusion_models folder."),
                 io.Boolean.Input("bake_lora", default=False, tooltip=(
-                    "Write the weights with the model's LoRA and other weight patches applied. Off: the original "
-                    "weights, so a LoRA can still be added after loading.")),
+                    "Merge the model's LoRA into the saved weights. Off: the original weights, so a LoRA can "
+                    "still be added after loading.")),
                 io.Combo.Input("int8_layers", options=list(INT8_LAYER_CHOICES), default=SMALLEST_FILE, tooltip=(
-                    "Which layers the file holds in INT8. Every accurate layer: all layers that passed every "
-                    "gate of the Quantize node's decision but speed (kind, density, kernel size floor, error), "
-                    "for the smallest file and least memory. Only layers "
-                    "faster in INT8: those the speed gate also kept because they ran faster in INT8 than in float "
-                    "on the machine that calibrated (all accurate layers when the gate is off).")),
+                    "Which layers the file holds in INT8: every layer that passed the accuracy gates (the "
+                    "smallest file), or only those that also ran faster in INT8 on the machine that calibrated.")),
                 io.Latent.Input("after_sampling", optional=True, tooltip=(
-                    "Connect the LATENT output of a sampler that uses this model. The latent is not used: the "
-                    "link makes ComfyUI run the save after that sampler, whose first step chooses the INT8 "
-                    "layers. Without it ComfyUI may run the save first (output nodes go first).")),
+                    "Connect the LATENT output of a sampler that uses this model: the link makes ComfyUI run the "
+                    "save after that sampler, whose first step chooses the INT8 layers.")),
             ],
             outputs=[],
             hidden=[io.Hidden.unique_id],
