@@ -55,7 +55,7 @@ def broken_links(page: Path) -> list[str]:
 
 
 def doc_pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def test_every_relative_link_in_readme_and_docs_resolves():
