@@ -126,7 +126,8 @@ def main() -> int:
              "on quantized rows; fp8 _scaled_mm: torch._scaled_mm on e4m3 operands with per-row and per-column "
              "scales, alone (the 8-bit GEMM cuBLASLt runs natively on Hopper), where this GPU has it; TMA: the "
              "persistent TMA GEMM (INT8_ACCEL_TRITON_LINEAR=fused-tma), its launch alone with its descriptors "
-             "built before the timing (their host us beside it); % of INT8 peak: fused / TMA against the card's dense INT8 tensor-core peak (H100/H200: 1979 TOPS), from CUDA-event time.", "",
+             "built before the timing (their host us beside it); % of INT8 peak: fused / TMA against the card's "
+             "dense INT8 tensor-core peak (H100/H200: 1979 TOPS), from CUDA-event time.", "",
              "| linear M x K x N | float | _int_mm alone | fused GEMM alone | TMA GEMM alone | % of INT8 peak | "
              "fp8 _scaled_mm alone | quantize rows | rescale | int8 op (dispatch) | backend fn | "
              "host us: float / int8 op |",
