@@ -12,7 +12,8 @@ layers times their count in one sampling step (CFG batch of 2 for the UNets): th
 whole step. Writes bench/results/gpu.md (layers) and bench/results/gpu_models.md (models).
 
     python bench/bench_gpu.py [--part all|models|layers] [--reps 20] [--models sd15,sdxl,flux]
-                              [--families sdxl,flux] [--no-compile] [--out FILE] [--dry-run]
+                              [--families sdxl,flux] [--rows all|compiled|rest] [--variants 'A;B']
+                              [--no-compile] [--out FILE] [--dry-run]
 
 On a machine without CUDA it prints one line and exits 0; `--dry-run` runs the models part there on tiny models
 on the CPU (a check of the code, no figures).
@@ -255,7 +256,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--models", default="sd15,sdxl,flux", help="layer shapes of these models (layers part)")
     parser.add_argument("--families", default="sdxl,flux", help="whole models (models part)")
-    parser.add_argument("--variants", help="models part: variant names separated by ';' (default: all)")
+    parser.add_argument("--variants", help="models part: variant names separated by ';' (default: --rows)")
+    parser.add_argument("--rows", choices=["all", "compiled", "rest"], default="all",
+                        help="models part: each family's like-for-like compiled rows, every other row, or all")
     parser.add_argument("--no-compile", action="store_true", help="layers part: leave out the compiled variants")
     parser.add_argument("--out", type=Path, help="the results file (with --part all: the layers part's)")
     parser.add_argument("--dry-run", action="store_true",
@@ -269,7 +272,7 @@ def main() -> int:
         from gpu_models import run_models
 
         return run_models(args.families.split(","), args.out or Path("/tmp") / "gpu_models_dry_run.md", dry=True,
-                          variant_names=args.variants.split(";") if args.variants else None)
+                          variant_names=args.variants.split(";") if args.variants else None, rows=args.rows)
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here, nothing to measure (the GPU bench needs an NVIDIA GPU)")
         return 0
@@ -279,7 +282,7 @@ def main() -> int:
 
         out = args.out if args.part == "models" and args.out else results / "gpu_models.md"
         status |= run_models(args.families.split(","), out, dry=False,
-                             variant_names=args.variants.split(";") if args.variants else None)
+                             variant_names=args.variants.split(";") if args.variants else None, rows=args.rows)
     if args.part in ("all", "layers"):
         args.out = args.out or results / "gpu.md"
         status |= run_layers(args)

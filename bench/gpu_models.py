@@ -3,25 +3,33 @@
 The SDXL UNet and a Flux-dev-sized transformer at full size, built with random weights directly on the GPU from
 ComfyUI's own config classes (no file), sampled by ComfyUI's own sampler at 1024x1024, 20 euler steps, batch 1
 (CFG 7 for SDXL, a UNet batch of 2; Flux dev: CFG 1, guidance 3.5, 512 text tokens). Variants, each in the same
-process against plain bf16: Quantize Model (INT8) with the node's defaults, INT8 + DeepCache + Compile Model (the
-full stack), INT8 + Compile Model, DeepCache alone, plain fp16, and plain bf16 + Compile Model (compiled against
-compiled, static shapes at this one resolution), and the peers in the same process: torchao's int8 dynamic-activation
-and fp8 per-row quantization and plain bf16, each compiled with core's TorchCompileModel. Per variant: seconds per step (the median of TIMED_RUNS timed 20-step runs, each's sampling time over
-20: DeepCache's cached and full steps alike; plain bf16 is timed again after the last variant, to show drift), peak VRAM during it, the one-off cost before it (INT8: the first step, calibration included;
-compile: the warm-up run), how many layers ran INT8, and the PSNR of the final latent against plain bf16's. Random
-weights: the PSNR says how far a variant strays on these networks, not what a trained model's picture loses.
+process against plain bf16 (VARIANTS). `--rows compiled` runs a family's like-for-like compiled rows
+(COMPILED_ROWS: plain bf16 + Compile Model and INT8 + Compile Model in the mode where INT8 can win, plain bf16
+timed again right after that pair for drift, core's TorchCompileModel on plain bf16, torchao's int8 behind it);
+`--rows rest` every other variant, in VARIANTS' order. Per variant: seconds per step (the median of TIMED_RUNS
+timed 20-step runs, each's sampling time over 20), peak VRAM during it, the one-off cost before it (a compile
+warm-up with its compile seconds and INT8 calibration seconds apart; eager INT8: the first step, calibration
+included), how many layers the INT8 decision put in INT8 (a row with none says it is float's speed, not INT8's),
+and the PSNR of the final latent against plain bf16's. Random weights: the PSNR says how far a variant strays on
+these networks, not what a trained model's picture loses.
+
+Peers run each on a model of their own, inductor's and dynamo's configuration saved before and restored after the
+row (torchao's configs set inductor options for the rest of the process). A kernel whose GPU tests failed earlier
+in the run (GPU_RUN_FAILED_KERNELS, set by scripts/gpu_run.sh) stops the rows that use it, each saying so.
 
 A row is written to the output file as soon as it is measured, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -112,35 +120,37 @@ class Variant:
     compile_mode: str = "default"  # Compile Model's `mode`: "reduce-overhead" replays CUDA graphs
     env: tuple[tuple[str, str], ...] = ()  # environment variables set while this variant runs
     peer: str = ""  # another project's way, on its own copy of the model (PEERS)
+    retime: bool = False  # plain bf16 timed again (drift), no model of its own
 
 
 # Peers, each on a model of its own built like the reference (same seed, same weights) and compiled the way a
 # ComfyUI user compiles it, with core's TorchCompileModel (the whole diffusion model, inductor, core's defaults).
 CORE_COMPILE, TORCHAO_INT8, TORCHAO_FP8 = "core TorchCompileModel", "torchao int8", "torchao fp8"
 TORCHAO = (TORCHAO_INT8, TORCHAO_FP8)
-PEER_COMPILE_BACKEND = "inductor"  # TorchCompileModel's default; the dry run traces with dynamo's eager backend
-DRY_PEER_COMPILE_BACKEND = "eager"  # (inductor on a whole tiny model takes minutes on 2 CPU cores)
-# Compile Model at this bench's one resolution: static shapes (the node's "auto" is static at one resolution too).
-BENCH_COMPILE_DYNAMIC = "false"
+PEER_COMPILE_BACKEND = "inductor"  # TorchCompileModel's default
+# The dry run's backends (inductor on whole tiny models takes minutes on 2 CPU cores): torchao's rows through AOT
+# autograd without code generation, where its tensor subclasses are desugared as inductor would receive them; core's
+# row, plain float, with dynamo's eager backend.
+DRY_TORCHAO_COMPILE_BACKEND = "aot_eager"
+DRY_PEER_COMPILE_BACKEND = "eager"
+# Compile Model at this bench's one resolution: the node's default, "auto" (static shapes at one latent shape).
+BENCH_COMPILE_DYNAMIC = "auto"
+DRIFT = "plain bf16, timed again"
 
-# Most wanted first: a run cut at its time limit keeps these. Compiled like for like first: Compile Model on plain
-# bf16 and with INT8 in the default mode, then eager INT8 with its float weights in system memory and kept on the
-# GPU (the peak VRAM A/B, seconds to run), then the peers in the same process (compiled in the default mode too), then
-# Compile Model replaying CUDA graphs (INT8 pays on SDXL's small layers only without launches), the stack, then the
-# eager rows.
 VARIANTS = (
     Variant("plain bf16"),
     Variant("plain bf16 + Compile Model", compile=True),
     Variant("INT8 + Compile Model", int8=True, compile=True),
+    Variant("plain bf16 + Compile Model (reduce-overhead)", compile=True, compile_mode="reduce-overhead"),
+    Variant("INT8 + Compile Model (reduce-overhead)", int8=True, compile=True, compile_mode="reduce-overhead"),
+    Variant(DRIFT, retime=True),
+    Variant("plain bf16 + core TorchCompileModel", peer=CORE_COMPILE),
+    Variant("torchao int8 dynamic + core TorchCompileModel", peer=TORCHAO_INT8),
     Variant("Quantize Model (INT8)", int8=True),
     # the A/B of the row above: the INT8 layers' float weights kept on the GPU beside their INT8 copies
     Variant("Quantize Model (INT8), float weights kept on the GPU", int8=True,
             env=(("INT8_ACCEL_KEEP_FLOAT_WEIGHTS", "1"),)),
-    Variant("torchao int8 dynamic + core TorchCompileModel", peer=TORCHAO_INT8),
     Variant("torchao fp8 per-row + core TorchCompileModel", peer=TORCHAO_FP8),
-    Variant("plain bf16 + core TorchCompileModel", peer=CORE_COMPILE),
-    Variant("plain bf16 + Compile Model (reduce-overhead)", compile=True, compile_mode="reduce-overhead"),
-    Variant("INT8 + Compile Model (reduce-overhead)", int8=True, compile=True, compile_mode="reduce-overhead"),
     # the stack with CUDA graphs: its blocks' graphs are those of "INT8 + Compile Model (reduce-overhead)", so
     # after that row it records graphs for DeepCache's shallow steps and compiles nothing new
     Variant("INT8 + DeepCache + Compile Model (reduce-overhead)", int8=True, deepcache=True, compile=True,
@@ -158,6 +168,50 @@ VARIANTS = (
             compile_mode="reduce-overhead", env=(("INT8_ACCEL_TRACED_QUANTIZER", "0"),)),
 )
 
+# Per family, the like-for-like compiled rows, most wanted first (a stage cut at its limit keeps the first): Compile
+# Model on plain bf16 and with INT8 in the mode where INT8 can win, plain bf16 again right after that pair (drift),
+# then the peers compiled with core's TorchCompileModel.
+COMPILED_ROWS = {
+    "flux": ("plain bf16 + Compile Model", "INT8 + Compile Model", DRIFT, "plain bf16 + core TorchCompileModel",
+             "torchao int8 dynamic + core TorchCompileModel"),
+    "sdxl": ("plain bf16 + Compile Model (reduce-overhead)", "INT8 + Compile Model (reduce-overhead)", DRIFT,
+             "plain bf16 + core TorchCompileModel", "torchao int8 dynamic + core TorchCompileModel"),
+}
+# Why a family's compiled pair is in the mode it is, said above its table.
+PAIR_NOTES = {
+    "flux": "Compile Model's pair in its default mode: Flux's GEMMs are large enough that INT8 wins even as "
+            "launched calls, which is what the INT8 speed gate times in that mode.",
+    "sdxl": "Compile Model's pair replays CUDA graphs (reduce-overhead): in the default mode the INT8 speed gate "
+            "times each layer as a launched eager call, where SDXL's small layers lose to their launch overhead "
+            "(both earlier eager H200 runs kept 0 of 794 layers), so that pair would time float against float; "
+            "replaying graphs, the gate times the layers' device work, where INT8 can win (61 layers in the third "
+            "H200 run). The default-mode pair runs with `--rows rest`.",
+}
+
+# The kernels a variant's INT8 layers run on the GPU (the triton backend), by the names scripts/gpu_run.sh gives
+# the kernel tests: their failure stops the row.
+KERNEL_FAILURES_ENV = "GPU_RUN_FAILED_KERNELS"
+
+
+def kernels_used(variant: Variant) -> set[str]:
+    """The GPU kernels `variant` relies on: every INT8 row quantizes rows (calibration runs eagerly, and the traced
+    quantizer falls back to it), its Linears multiply with the GEMM INT8_ACCEL_TRITON_LINEAR names ("fused" by
+    default on Hopper; "fused-tma" takes "fused" where a layer cannot take TMA)."""
+    if not variant.int8:
+        return set()
+    gemm = dict(variant.env).get("INT8_ACCEL_TRITON_LINEAR", "fused")
+    used = {"row-quantizer"}
+    if gemm in ("fused", "auto", "fused-tma"):
+        used.add("fused")
+    if gemm == "fused-tma":
+        used.add("fused-tma")
+    return used
+
+
+def failed_kernels() -> set[str]:
+    """The kernels whose GPU tests failed earlier in this run (GPU_RUN_FAILED_KERNELS, names separated by ',')."""
+    return {name.strip() for name in os.environ.get(KERNEL_FAILURES_ENV, "").split(",") if name.strip()}
+
 
 @dataclasses.dataclass
 class Run:
@@ -165,7 +219,6 @@ class Run:
     step_seconds: float
     peak_gib: float
     latent: torch.Tensor
-    int8_calls: int
 
 
 def _sync(device: torch.device) -> None:
@@ -178,8 +231,6 @@ def _sample(model, family: Family, steps: int, size: int, device: torch.device, 
     """One sampling run; its peak VRAM leaves out `idle_bytes` (models resident for other variants)."""
     import comfy.sample
 
-    from comfyui_int8_accel.kernels import record_calls
-
     positive, negative = family.conditioning(dry, device)
     latent = torch.zeros(1, family.latent_channels, size // 8, size // 8)
     noise = comfy.sample.prepare_noise(latent, 42)
@@ -187,14 +238,13 @@ def _sample(model, family: Family, steps: int, size: int, device: torch.device, 
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     start = time.perf_counter()
-    with torch.inference_mode(), record_calls() as calls:
+    with torch.inference_mode():
         out = comfy.sample.sample(model, noise, steps, family.cfg, "euler", "normal", positive, negative, latent,
                                   denoise=1.0, disable_pbar=True, seed=42)
     _sync(device)
     seconds = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated(device) - idle_bytes) / 2**30 if device.type == "cuda" else float("nan")
-    int8_calls = sum(n for (_, backend, path), n in calls.items() if path == "int8")
-    return Run(seconds, seconds / steps, peak, out.float().cpu(), int8_calls)
+    return Run(seconds, seconds / steps, peak, out.float().cpu())
 
 
 def _timed(model, family: Family, steps: int, size: int, device: torch.device, dry: bool, idle_bytes: int) -> Run:
@@ -223,8 +273,38 @@ def _build(family: Family, dtype: torch.dtype, device: torch.device, dry: bool):
     return build_random_model(cfg, seed=0, weight_dtype=None if dry else dtype, device=device)
 
 
-def _weight_bytes(patcher) -> int:
-    return sum(t.numel() * t.element_size() for t in patcher.model.diffusion_model.state_dict().values())
+def _weight_bytes(patcher, device: torch.device) -> int:
+    """The bytes of the diffusion model's tensors that live on `device` (after an INT8 row, the shared model's INT8
+    layers' float weights sit in system memory: they take no VRAM)."""
+    return sum(t.numel() * t.element_size() for t in patcher.model.diffusion_model.state_dict().values()
+               if t.device == device)
+
+
+@contextlib.contextmanager
+def compiler_config_kept() -> Iterator[None]:
+    """Inductor's and dynamo's configuration as it is now, put back afterwards: torchao's configs default to
+    `set_inductor_config=True` (coordinate-descent tuning, `force_fuse_int_mm_with_mul`, ...), left set for the
+    rest of the process, and `torch.compiler.reset()` does not undo it, so every row compiled after a peer would be
+    compiled unlike core's defaults."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    saved = [(config, config.save_config()) for config in (inductor_config, dynamo_config)]
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():  # loading sets deprecated switches too, each warning that it does nothing
+            warnings.simplefilter("ignore", FutureWarning)
+            for config, state in saved:
+                config.load_config(state)
+
+
+def compiler_config_snapshot() -> dict:
+    """Inductor's and dynamo's configuration, as comparable values."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    return {"inductor": inductor_config.get_config_copy(), "dynamo": dynamo_config.get_config_copy()}
 
 
 def _peer_model(family: Family, variant: Variant, device: torch.device, dry: bool):
@@ -249,8 +329,51 @@ def _peer_model(family: Family, variant: Variant, device: torch.device, dry: boo
                 granularity=torchao_quantization.PerRow())
         with torch.inference_mode():  # the model was built in inference mode, as ComfyUI loads models
             torchao_quantization.quantize_(model.model.diffusion_model, config)
-    set_torch_compile_wrapper(model=model, backend=DRY_PEER_COMPILE_BACKEND if dry else PEER_COMPILE_BACKEND)
+    backend = PEER_COMPILE_BACKEND
+    if dry:
+        backend = DRY_TORCHAO_COMPILE_BACKEND if variant.peer in TORCHAO else DRY_PEER_COMPILE_BACKEND
+    set_torch_compile_wrapper(model=model, backend=backend)
     return model
+
+
+class CompileClock:
+    """Seconds dynamo spent compiling (dynamo and the backend, per compiled frame) since `start`, as its
+    compile-start and compile-end callbacks report them (the pack's compile-event listeners)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def start(self) -> None:
+        from comfyui_int8_accel.nodes.compile.compile_events import add_compile_listener
+
+        self.seconds = 0.0
+        add_compile_listener(_ignore_start, self._on_end)  # again after each reset(): it drops the callbacks
+
+    def _on_end(self, compile_id: object, seconds: float) -> None:
+        self.seconds += seconds
+
+
+def _ignore_start(compile_id: object) -> None:
+    pass
+
+
+def _decision(model) -> tuple[int, int] | None:
+    """(layers the INT8 decision put in INT8, layers it measured) for an INT8 model, None before it decided. From
+    the decision, not the op calls: a CUDA-graph replay calls no INT8 op from Python."""
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+
+    plan = int8_plan(model)
+    result = getattr(plan, "last_result", None)
+    if result is None:
+        return None
+    return sum(1 for layer in result.layers if layer.quantized), len(result.layers)
+
+
+def _calibration_seconds(model) -> float | None:
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+
+    result = getattr(int8_plan(model), "last_result", None)
+    return None if result is None else float(result.seconds)
 
 
 def _torchao_layers(model) -> str:
@@ -292,8 +415,8 @@ def _int8_layers(model) -> str:
 class Table:
     """The markdown file, rewritten after every row."""
 
-    HEADER = ["variant", "s/step", "vs plain bf16", "peak VRAM GiB (weights + run)", "one-off s (what)", "INT8 calls",
-              "latent PSNR dB vs plain bf16", "INT8 layers (calibration summary)"]
+    HEADER = ["variant", "s/step", "vs plain bf16", "peak VRAM GiB (weights + run)", "one-off s (what)",
+              "INT8 layers (decided)", "latent PSNR dB vs plain bf16", "INT8 layers (calibration summary)"]
 
     def __init__(self, path: Path, intro: list[str]) -> None:
         self.path, self.lines = path, list(intro)
@@ -325,11 +448,30 @@ def _fmt_psnr(value: float) -> str:
     return "identical" if value == float("inf") else f"{value:.1f}"
 
 
+def _not_run_row(variant: Variant, why: str) -> list[str]:
+    return [variant.name, f"not run: {why}", *["-"] * (len(Table.HEADER) - 2)]
+
+
+def _failed_row(variant: Variant, exc: BaseException) -> list[str]:
+    return [variant.name, f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}",
+            *["-"] * (len(Table.HEADER) - 2)]
+
+
+def _one_off(variant: Variant, warm: Run, compile_seconds: float, calibration: float | None) -> str:
+    """The warm-up's seconds with what they hold: compiling apart from INT8 calibration."""
+    parts = [f"compile {compile_seconds:.1f}"]
+    if calibration is not None:
+        parts.append(f"INT8 calibration {calibration:.1f}")
+    return f"{warm.seconds:.1f} (warm-up, 3 steps: {', '.join(parts)})"
+
+
 def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
-                 variants: tuple[Variant, ...] = VARIANTS) -> None:
+                 variants: tuple[Variant, ...] = VARIANTS, notes: tuple[str, ...] = ()) -> None:
     steps, size = (DRY_STEPS, DRY_SIZE) if dry else (STEPS, SIZE)
     bases: dict[torch.dtype, object] = {}
     built: dict[torch.dtype, str] = {}
+    clock = CompileClock()
+    bad_kernels = failed_kernels()
 
     def base(dtype: torch.dtype):
         if dtype not in bases:
@@ -343,13 +485,28 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
 
     base(torch.bfloat16)
     table.section(f"{family.title}, {size}x{size}, {steps} steps", [
-        f"CFG {family.cfg:g}; euler / normal; seed 42; random weights N(0, 0.02), {built[torch.bfloat16]}."])
+        f"CFG {family.cfg:g}; euler / normal; seed 42; random weights N(0, 0.02), {built[torch.bfloat16]}.", *notes])
     reference: Run | None = None
     for variant in variants:
+        if variant.retime:
+            if reference is None:
+                table.row(_not_run_row(variant, "plain bf16 has no first timing"))
+                continue
+            again = _timed(bases[torch.bfloat16], family, steps, size, device, dry, 0)
+            table.row([variant.name, f"{again.step_seconds:.4f}",
+                       f"{reference.step_seconds / again.step_seconds:.2f}x", f"{again.peak_gib:.1f}",
+                       "- (drift: plain bf16's first timing over this one)", "-",
+                       _fmt_psnr(psnr(again.latent, reference.latent)), "-"])
+            continue
+        stopped = sorted(kernels_used(variant) & bad_kernels)
+        if stopped:
+            table.row(_not_run_row(variant, f"the GPU tests of its {', '.join(stopped)} kernel failed in this run"))
+            continue
         model = one_off = None
         print(f"gpu_models: {family.title}: {variant.name} ...", flush=True)  # where a stage cut at its limit stood
+        kept = compiler_config_kept() if variant.peer else contextlib.nullcontext()
         try:
-            with environment(dict(variant.env)):
+            with environment(dict(variant.env)), kept:
                 new_base = variant.dtype not in bases
                 if variant.peer:
                     model = _peer_model(family, variant, device, dry)
@@ -358,16 +515,19 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
                 if new_base and not variant.peer:
                     one_off = built[variant.dtype]
                 if variant.compile or variant.peer:
+                    clock.start()
                     warm = _sample(model, family, 3, size, device, dry)
-                    one_off = f"{warm.seconds:.1f} (compile warm-up, 3 steps)"
-                    print(f"gpu_models: compile phases so far (seconds):\n{_compile_phases()}", flush=True)
+                    one_off = _one_off(variant, warm, clock.seconds,
+                                       _calibration_seconds(model) if variant.int8 else None)
+                    print(f"gpu_models: {variant.name}: {one_off}; compile phases so far (seconds):\n"
+                          f"{_compile_phases()}", flush=True)
                 elif variant.int8:
                     warm = _sample(model, family, 1, size, device, dry)
                     one_off = f"{warm.seconds:.1f} (first step, calibration included)"
                 else:  # cuBLAS and the allocator warm, outside the timing
                     _sample(model, family, 1, size, device, dry)
                 # the models resident for other rows (a peer's own copy leaves the reference resident beside it)
-                idle = sum(_weight_bytes(other) for dtype, other in bases.items()
+                idle = sum(_weight_bytes(other, device) for dtype, other in bases.items()
                            if dtype != variant.dtype or variant.peer)
                 run = _timed(model, family, steps, size, device, dry, idle)
         except KeyboardInterrupt:  # the stage's time limit: say how far the compiles got, then stop
@@ -375,25 +535,28 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
                   flush=True)
             raise
         except Exception as exc:  # noqa: BLE001 - one variant failing is reported; the others still run
-            table.row([variant.name, f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}",
-                       *["-"] * (len(Table.HEADER) - 2)])
+            table.row(_failed_row(variant, exc))
             continue
         finally:
             gc.collect()
         if reference is None:
             reference = run
-        table.row([variant.name, f"{run.step_seconds:.4f}", f"{reference.step_seconds / run.step_seconds:.2f}x",
-                   f"{run.peak_gib:.1f}", one_off or "-", str(run.int8_calls),
+        speed = f"{reference.step_seconds / run.step_seconds:.2f}x"
+        layers = "-"
+        if variant.int8:
+            decided = _decision(model)
+            layers = "-" if decided is None else f"{decided[0]}/{decided[1]}"
+            if decided is not None and decided[0] == 0:
+                speed += " (0 INT8 layers: float's speed, not INT8's)"
+        elif variant.peer in TORCHAO:
+            layers = _torchao_layers(model).removeprefix("torchao: ")
+        table.row([variant.name, f"{run.step_seconds:.4f}", speed, f"{run.peak_gib:.1f}", one_off or "-", layers,
                    "reference" if run is reference else _fmt_psnr(psnr(run.latent, reference.latent)),
                    _int8_layers(model) if variant.int8 else _torchao_layers(model) if variant.peer in TORCHAO else "-"])
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if reference is not None and torch.bfloat16 in bases:
-        again = _timed(bases[torch.bfloat16], family, steps, size, device, dry, 0)
-        table.note(f"\nplain bf16 timed again after the last variant: {again.step_seconds:.4f} s/step "
-                   f"({reference.step_seconds / again.step_seconds:.2f}x of its first timing).")
     choices = autotune_choices()
     if choices:
         table.note("\nTriton autotuning choices so far (kernel, key: the winning candidate):\n\n" + "\n".join(choices))
@@ -403,6 +566,19 @@ def bench_family(family: Family, table: Table, device: torch.device, dry: bool,
         torch.cuda.empty_cache()
 
 
+def family_rows(family: str, rows: str) -> tuple[Variant, ...]:
+    """A family's variants for `rows`: "compiled" (COMPILED_ROWS), "rest" (every other variant, in VARIANTS'
+    order) or "all" (VARIANTS); plain bf16 first in each, as the reference."""
+    compiled = COMPILED_ROWS[family]
+    if rows == "compiled":
+        names = compiled
+    elif rows == "rest":
+        names = tuple(v.name for v in VARIANTS if v.name not in compiled)
+    else:
+        names = tuple(v.name for v in VARIANTS)
+    return chosen_variants(list(names))
+
+
 def chosen_variants(names: list[str]) -> tuple[Variant, ...]:
     """The reference (plain bf16) first, then the variants named, in the order named (a cut stage keeps the first)."""
     by_name = {variant.name: variant for variant in VARIANTS}
@@ -410,9 +586,10 @@ def chosen_variants(names: list[str]) -> tuple[Variant, ...]:
     return (VARIANTS[0], *rest)
 
 
-def run_models(families: list[str], out: Path, dry: bool, variant_names: list[str] | None = None) -> int:
-    """`variant_names`: a subset of VARIANTS by name, run in the order given (default all, in VARIANTS' order); plain
-    bf16 always runs first, as the reference.
+def run_models(families: list[str], out: Path, dry: bool, variant_names: list[str] | None = None,
+               rows: str = "all") -> int:
+    """`variant_names`: a subset of VARIANTS by name, run in the order given, for every family; else `rows`
+    ("compiled", "rest" or "all": `family_rows`) per family. Plain bf16 always runs first, as the reference.
     A name that is no variant's stops the run before anything is built (GPU time is scarce)."""
     unknown = sorted(set(variant_names or ()) - {v.name for v in VARIANTS})
     if unknown:
@@ -439,16 +616,28 @@ def run_models(families: list[str], out: Path, dry: bool, variant_names: list[st
     device = comfy.model_management.get_torch_device()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run, tiny models)"
     table = Table(out, [f"# Whole models on {name}: plain vs Quantize Model (INT8), DeepCache, Compile Model", "",
-                        f"- torch {torch.__version__}; INT8 kernel backend `{kernels.kernel_backend_for(device)}`; "
-                        f"{time.strftime('%Y-%m-%d')}; bench/gpu_models.py.",
-                        f"- s/step: the median of {TIMED_RUNS} timed runs' sampling seconds over their steps (after the one-off "
-                        "run); "
-                        "vs plain bf16: its s/step over this row's.",
-                        "- INT8 calls: the pack's INT8 kernel calls during the timed run (0 means none of its layers ran INT8; "
-                        "torchao's rows say in the last column how many Linears it quantized).",
+                        f"- torch {torch.__version__}; torchao {_torchao_version()}; INT8 kernel backend "
+                        f"`{kernels.kernel_backend_for(device)}`; {time.strftime('%Y-%m-%d')}; bench/gpu_models.py "
+                        f"(rows: {'as named' if variant_names else rows}).",
+                        f"- s/step: the median of {TIMED_RUNS} timed runs' sampling seconds over their steps (after the "
+                        "one-off run); vs plain bf16: its s/step over this row's.",
+                        "- INT8 layers (decided): the layers the INT8 decision put in INT8 of those it measured; a row "
+                        "with 0 runs float and says so (its speed is not INT8's); torchao's rows: the Linears it "
+                        "quantized.",
+                        "- one-off: a compiled row's warm-up with its compile seconds (dynamo and the backend) and "
+                        "INT8 calibration seconds apart.",
                         "- Random weights: PSNR shows how far a variant strays on these networks, not the "
                         "quality a trained model keeps."])  # fmt: skip
-    chosen = VARIANTS if not variant_names else chosen_variants(variant_names)
     for family in families:
-        bench_family(FAMILIES[family], table, device, dry, chosen)
+        chosen = chosen_variants(variant_names) if variant_names else family_rows(family, rows)
+        notes = (PAIR_NOTES[family],) if not variant_names and rows != "rest" else ()
+        bench_family(FAMILIES[family], table, device, dry, chosen, notes)
     return 0
+
+
+def _torchao_version() -> str:
+    try:
+        import torchao
+    except ImportError:
+        return "not installed"
+    return getattr(torchao, "__version__", "present")

@@ -8,11 +8,14 @@ element). The int32 accumulation and the epilogue's float32 operations are those
 order, so the output equals it (and `torch._int_mm` + rescale) bit for bit.
 
 Needs Triton's host-side `TensorDescriptor` (Triton 3.4 and newer) and operands whose rows start on 16-byte
-boundaries (K a multiple of 16); `unsupported_reason` says when a call cannot take this path. Block shapes are chosen
+boundaries (K a multiple of 16 and each operand's first byte 16-byte aligned); `unsupported_reason` says when a call
+cannot take this path. `prepare_gemm_rescale_tma` builds the descriptors (host work) apart from the launch, so a
+bench times the kernel alone. Block shapes are chosen
 per layer on the host (the descriptors carry them), the pipeline depth, warps and tile order are autotuned.
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -39,9 +42,25 @@ def unsupported_reason(a: torch.Tensor, q_weight: torch.Tensor) -> str | None:
     k = a.shape[1]
     if k % TMA_ALIGNMENT:
         return f"K={k} is not a multiple of {TMA_ALIGNMENT} (TMA needs 16-byte aligned rows)"
+    for name, operand in (("the activation", a), ("the weight", q_weight)):
+        misaligned = _misaligned_start(operand)
+        if misaligned:
+            return f"{name}'s first byte is {misaligned} bytes past a 16-byte boundary (TMA needs aligned rows)"
     if not INTERPRETED and a.device.type == "cuda" and _capability(a.device) < (9, 0):
         return "TMA needs a GPU of compute capability 9.0 or newer"
     return None
+
+
+def _misaligned_start(t: torch.Tensor) -> int:
+    """How many bytes past a TMA_ALIGNMENT boundary the tensor the kernel reads starts (0: aligned). A tensor that is
+    not contiguous is copied first (a fresh allocation, aligned), so only a contiguous view can start misaligned
+    (a slice at an odd offset). Tensors without storage (fake tensors while tracing) count as aligned."""
+    if not t.is_contiguous():
+        return 0
+    try:
+        return t.data_ptr() % TMA_ALIGNMENT
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 @functools.cache
@@ -112,21 +131,34 @@ if AVAILABLE and TensorDescriptor is not None:
                                    HAS_BIAS)  # fmt: skip
 
 
-def gemm_rescale_tma(a: torch.Tensor, q_weight: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
-                     bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """`triton_kernels.gemm_rescale` through the persistent TMA kernel: the same output bit for bit. The caller
-    checks `unsupported_reason` first."""
+def prepare_gemm_rescale_tma(a: torch.Tensor, q_weight: torch.Tensor, row_scale: torch.Tensor,
+                             col_scale: torch.Tensor, bias: torch.Tensor | None,
+                             dtype: torch.dtype) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """The host work of `gemm_rescale_tma` (operands made contiguous, the output allocated, the TMA descriptors
+    built) done now, and the launch returned: each call of it runs the kernel into the same output tensor."""
     a, q_weight = a.contiguous(), q_weight.contiguous()
     m, k = a.shape
     n = q_weight.shape[0]
     block_m, block_n, block_k = block_shape(m, n, k)
     out = torch.empty((m, n), dtype=dtype, device=a.device)
     col_scale = col_scale.to(torch.float32).contiguous()
+    row_scale = row_scale.contiguous()
     bias_arg = col_scale if bias is None else bias.contiguous()
     programs = _programs(a.device, triton_kernels.cdiv(m, block_m) * triton_kernels.cdiv(n, block_n))
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(q_weight, [block_n, block_k])
-    _gemm_rescale_tma_kernel[(programs,)](a_desc, w_desc, row_scale.contiguous(), col_scale, bias_arg, out, m, n, k,
-                                          out.stride(0), programs, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                                          BLOCK_N=block_n, BLOCK_K=block_k, **EXACT)  # fmt: skip
-    return out
+
+    def launch() -> torch.Tensor:
+        _gemm_rescale_tma_kernel[(programs,)](a_desc, w_desc, row_scale, col_scale, bias_arg, out, m, n, k,
+                                              out.stride(0), programs, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+                                              BLOCK_N=block_n, BLOCK_K=block_k, **EXACT)  # fmt: skip
+        return out
+
+    return launch
+
+
+def gemm_rescale_tma(a: torch.Tensor, q_weight: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+                     bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """`triton_kernels.gemm_rescale` through the persistent TMA kernel: the same output bit for bit. The caller
+    checks `unsupported_reason` first."""
+    return prepare_gemm_rescale_tma(a, q_weight, row_scale, col_scale, bias, dtype)()

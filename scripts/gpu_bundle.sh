@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # `make gpu-bundle`: write .gpu-bundle/ (git-ignored) with what a GPU machine without network lacks for
 # scripts/gpu_run.sh: ComfyUI (the one scripts/setup.sh installed, without models/, user/, output/, input/,
-# custom_nodes/ and caches) as comfyui.tar.gz, torchsde, trampoline and torchao as cp312 wheels, and comfy-kitchen's files
-# (CUDA backend; its 150 MB ROCm library left out so the bundle stays under the device tool's 64 MiB) as
-# comfy_kitchen.tar.gz. PyAV is not carried: harness/standins/av serves ComfyUI's start-up.
-# Prints the bundle's path and size.
+# custom_nodes/ and caches) as comfyui.tar.gz, and torchsde, trampoline and torchao as cp312 wheels. comfy-kitchen
+# (36 MB even without its 150 MB ROCm library) serves only the layers bench, a stage the default plan skips, so it is
+# carried only with GPU_BUNDLE_KITCHEN=1 (as comfy_kitchen.tar.gz, CUDA backend). PyAV is not carried:
+# harness/standins/av serves ComfyUI's start-up. Prints the bundle's path and size, and fails when it is over
+# 60 MiB (the device tool carries 64 MiB in all, the working tree included).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"
@@ -35,12 +36,16 @@ tar -C "$(dirname "$COMFY")" -czf "$BUNDLE.partial/comfyui.tar.gz" \
   --exclude="$(basename "$COMFY")/custom_nodes" --exclude='__pycache__' --exclude='*.pyc' \
   --transform "s,^$(basename "$COMFY"),ComfyUI," "$(basename "$COMFY")"
 
-log "$KITCHEN without its ROCm library"
-tmp="$(mktemp -d)"
-pip_download -d "$tmp" "$KITCHEN"
-(cd "$tmp" && "$PY" -m zipfile -e ./*.whl unpacked && rm -f unpacked/comfy_kitchen/backends/hip/_C*.so \
-  && tar -C unpacked -czf "$BUNDLE.partial/comfy_kitchen.tar.gz" .)
-rm -rf "$tmp"
+if [ "${GPU_BUNDLE_KITCHEN:-0}" = 1 ]; then
+  log "$KITCHEN without its ROCm library"
+  tmp="$(mktemp -d)"
+  pip_download -d "$tmp" "$KITCHEN"
+  (cd "$tmp" && "$PY" -m zipfile -e ./*.whl unpacked && rm -f unpacked/comfy_kitchen/backends/hip/_C*.so \
+    && tar -C unpacked -czf "$BUNDLE.partial/comfy_kitchen.tar.gz" .)
+  rm -rf "$tmp"
+else
+  log "comfy-kitchen left out (no default stage uses it; GPU_BUNDLE_KITCHEN=1 carries it)"
+fi
 
 {
   echo "made $(date -u +%Y-%m-%dT%H:%MZ) by scripts/gpu_bundle.sh"
@@ -49,4 +54,9 @@ rm -rf "$tmp"
 } > "$BUNDLE.partial/MANIFEST.txt"
 rm -rf "$BUNDLE"
 mv "$BUNDLE.partial" "$BUNDLE"
-echo "$BUNDLE $(du -sb "$BUNDLE" | cut -f1) bytes"
+bytes="$(du -sb "$BUNDLE" | cut -f1)"
+echo "$BUNDLE $bytes bytes ($(awk -v b="$bytes" 'BEGIN {printf "%.1f", b / 1048576}') MiB, at most 60 MiB)"
+if ((bytes > 60 * 1048576)); then
+  log "the bundle is over 60 MiB: it and the working tree would not fit the device tool's 64 MiB"
+  exit 1
+fi

@@ -135,9 +135,34 @@ def test_auto_compiles_once_more_at_the_second_resolution_and_never_after(pack, 
         assert {name for line in calls for name in ("ResBlock", "BasicTransformerBlock")
                 if f"{name} blocks ({shapes} shapes): " in line} == {"ResBlock", "BasicTransformerBlock"}
         assert summaries[run].startswith("compiled ") and f"ResBlock blocks ({shapes} shapes): " in summaries[run]
-    assert any("a second latent size" in line for line in said[2])
+    assert any("a second latent shape" in line for line in said[2])
     assert not any("compiled" in line for run in (1, 3, 4) for line in said[run])
     assert summaries[1].startswith("nothing to compile"), summaries[1]
     # what compiling keeps beside the model, said after every run (no CUDA graphs in these settings)
     assert all("memory: the compiled graphs read the weights where they are, no copy of them" in summary
                and "CUDA graphs" not in summary for summary in summaries)
+
+
+def test_auto_makes_every_latent_dimension_dynamic_at_the_second_shape(pack, monkeypatch):
+    """A new user's sequence on the tiny SD1.5, (batch, latent size): (1, 16) -> (2, 16) -> (2, 24) -> (3, 20). The
+    second shape differs in its batch alone, yet from it on batch, height and width are all dynamic: the third and
+    fourth shapes, each changing other dimensions, compile nothing (before, each dimension became dynamic only when
+    it changed, and a new resolution compiled the blocks again)."""
+    from harness.tiny_models import build_tiny_model, sample
+    from tests.support.counting_backend import COUNTING, UNET_WIDTH, compiled_graphs, register_counting_backend
+
+    register_counting_backend()
+    cm = importlib.import_module("comfyui_int8_accel.nodes.compile")
+    blocks = importlib.import_module("comfyui_int8_accel.nodes.compile.blocks")
+    monkeypatch.setattr(blocks, "_block_regions", {})
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        model = build_tiny_model("sd15", seed=7, unet_config=UNET_WIDTH)
+    compiled = cm.compile_model(model, cm.CompileSettings(backend=COUNTING), strategy="blocks")
+    counts = []
+    for batch, size in ((1, 16), (2, 16), (2, 24), (3, 20)):
+        before = len(compiled_graphs)
+        sample(compiled, "sd15", steps=1, batch=batch, height=size * 8, width=size * 8)
+        counts.append(len(compiled_graphs) - before)
+    assert counts[0] > 0 and counts[1] > 0, counts  # static graphs, then the dynamic ones
+    assert counts[2:] == [0, 0], counts

@@ -290,6 +290,32 @@ def test_fused_linear_gemm_equals_int_mm_and_rescale(tk, monkeypatch, launches, 
     assert launches[1:] == ["_gemm_rescale_tma_kernel" if takes_tma else "_gemm_rescale_kernel"]
 
 
+def test_a_weight_starting_off_a_16_byte_boundary_takes_the_fused_gemm_not_tma(tk, monkeypatch, launches):
+    """TMA reads rows whose first byte is 16-byte aligned: a contiguous weight view that starts 8 bytes into its
+    storage (as a weight read at an odd offset of a file can) is refused by the TMA path with the reason, and the
+    layer runs the fused GEMM, bit for bit the same; the aligned copy takes TMA. Both rows' K is a multiple of 16."""
+    from comfyui_int8_accel.kernels import triton_gemm_tma
+
+    if triton_gemm_tma.TensorDescriptor is None:
+        pytest.skip("this Triton has no host-side TensorDescriptor (3.4+)")
+    q, s, b = weights((48, 64), 8)
+    storage = torch.zeros(q.numel() + 8, dtype=torch.int8)
+    shifted = storage[8:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.is_contiguous() and shifted.data_ptr() % triton_gemm_tma.TMA_ALIGNMENT == 8
+    x = torch.randn(32, 64)
+    reason = triton_gemm_tma.unsupported_reason(torch.zeros(32, 64, dtype=torch.int8), shifted)
+    assert reason is not None and "16-byte" in reason and "weight" in reason, reason
+    assert triton_gemm_tma.unsupported_reason(torch.zeros(32, 64, dtype=torch.int8), q) is None
+    monkeypatch.setenv("INT8_ACCEL_TRITON_LINEAR", "fused-tma")
+    outs = {}
+    for name, weight in (("aligned", q), ("shifted", shifted)):
+        launches.clear()
+        outs[name] = by_backend(int8_linear, x, weight, s, b)["triton"]
+        assert launches[1:] == ["_gemm_rescale_tma_kernel" if name == "aligned" else "_gemm_rescale_kernel"], name
+    assert torch.equal(outs["aligned"], outs["shifted"])
+
+
 @pytest.mark.parametrize("capability,expected", [((9, 0), "fused"), ((10, 0), "fused"), ((8, 9), "int-mm"),
                                                  ((8, 0), "int-mm")])
 def test_the_linear_gemm_is_chosen_per_gpu_unless_forced(monkeypatch, capability, expected):

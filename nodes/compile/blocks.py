@@ -14,9 +14,9 @@ over 3 minutes on an H200); one transformer block's graph serves every depth.
 
 Recompiles: a region's graphs serve every block of its class (weights are graph inputs, and with dynamic
 shapes so are their sizes), so LoRA and strength changes reuse them. Shapes: with dynamic "auto" the regions
-compile static shapes while the model has run at one latent size (one graph per block shape, no symbolic size)
-and a second region per block class with dynamic shapes from its second latent size on, which every later size
-reuses (`make_blocks_wrapper`). Two things would otherwise make dynamo guard per block or per weight and
+compile static shapes while the model has run at one latent shape (one graph per block shape, no symbolic size)
+and a second region per block class with dynamic shapes from its second latent shape on (batch, height, width and
+frames dynamic together), which every later shape reuses (`make_blocks_wrapper`). Two things would otherwise make dynamo guard per block or per weight and
 recompile:
 * a UNet transformer block reads its position from transformer_options (only to look up attention patches), so
   its region gets the options without the position when nothing reads it, and runs eagerly when something does;
@@ -249,20 +249,22 @@ def weights_without_grad(modules: list[torch.nn.Module]) -> Iterator[None]:
 
 def make_blocks_wrapper(settings: CompileSettings) -> Callable:
     """The APPLY_MODEL wrapper that runs the diffusion model's blocks compiled for the duration of one call, with
-    the settings for the latent sizes this model has run at (`CompileSettings.for_latent_sizes`)."""
-    latent_sizes: set[tuple[int, ...]] = set()
+    the settings for the latent shapes this model has run at (`CompileSettings.for_latent_sizes`). A latent's
+    shape is all of it: batch, height and width (and frames), so a second shape that differs in one dimension only
+    (a new batch size) makes every dimension dynamic at once, and no later change of another compiles again."""
+    latent_shapes: set[tuple[int, ...]] = set()
 
     def apply_model_wrapper(executor, *args, **kwargs):
         latent = args[0] if args else kwargs.get("x")
-        if isinstance(latent, torch.Tensor) and len(latent_sizes) < 2:
-            size = tuple(latent.shape[2:])
-            if size not in latent_sizes:
-                latent_sizes.add(size)
-                if settings.dynamic == "auto" and len(latent_sizes) == 2:
-                    log.info("int8-accel compile: a second latent size (%s after %s): the blocks compile once more, "
-                             "with dynamic shapes, for every size from now on", list(size),
-                             [list(seen) for seen in latent_sizes if seen != size])
-        chosen = settings.for_latent_sizes(len(latent_sizes))
+        if isinstance(latent, torch.Tensor) and len(latent_shapes) < 2:
+            shape = tuple(latent.shape)
+            if shape not in latent_shapes:
+                latent_shapes.add(shape)
+                if settings.dynamic == "auto" and len(latent_shapes) == 2:
+                    log.info("int8-accel compile: a second latent shape (%s after %s): the blocks compile once more, "
+                             "with every dimension dynamic, for every shape from now on", list(shape),
+                             [list(seen) for seen in latent_shapes if seen != shape])
+        chosen = settings.for_latent_sizes(len(latent_shapes))
         plan = plan_block_forwards(executor.class_obj.diffusion_model, chosen)
         regions = [block_region(cls, chosen) for cls in {type(block) for block, _ in plan}]
         before = {region: (region.graphs_compiled, region.compile_seconds) for region in regions}

@@ -53,10 +53,12 @@ class CompileSettings:
         return self.dynamic != "false"
 
     def for_latent_sizes(self, sizes_seen: int) -> CompileSettings:
-        """The settings a block region compiles with once the model has run at `sizes_seen` latent sizes: "auto"
-        is static shapes while there is one (graphs with no symbolic sizes, compiled and run fastest, one per
-        block shape) and dynamic from the second on (one more set of graphs, which every later size reuses);
-        "true" and "false" are as the person set them."""
+        """The settings a block region compiles with once the model has run at `sizes_seen` latent shapes (batch,
+        height, width and frames: blocks.make_blocks_wrapper counts whole shapes): "auto" is static shapes while
+        there is one (graphs with no symbolic sizes, compiled and run fastest, one per block shape; measured
+        faster to compile for ResBlocks and transformer blocks alike, bench/results/compile_resblocks.md and
+        compile_regions_shapes.md) and every dimension dynamic from the second on (one more set of graphs, which
+        every later shape reuses); "true" and "false" are as the person set them."""
         if self.dynamic != "auto":
             return self
         return dataclasses.replace(self, dynamic="false" if sizes_seen <= 1 else "true")
