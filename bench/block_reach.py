@@ -58,13 +58,13 @@ def _seconds(run) -> float:
 
 
 def _row(kind: str) -> list[str]:
-    from comfyui_int8_accel.nodes.block_stacks import find_block_stacks
+    from comfyui_int8_accel.nodes.block_stacks import find_block_stacks, stack_members
     from harness.tiny_families import block_entry, block_stack, build_family, sample_family
 
     deepcache = importlib.import_module("comfyui_int8_accel.nodes.deepcache")
     model = build_family(kind)
     net = model.get_model_object("diffusion_model")
-    blocks = list(net.get_submodule(block_stack(kind)))  # the main stack, counted the way the forward enters it
+    blocks = stack_members(net.get_submodule(block_stack(kind)))  # the main stack, counted the way the forward enters it
     calls = [0]
     entry = block_entry(kind)
     if entry:
