@@ -221,6 +221,38 @@ def test_blocks_a_users_block_patch_calls_through_original_block_are_cached(deep
     assert calls.count <= 0.6 * plain_calls.count and not torch.equal(out, plain), (calls.count, plain_calls.count)
 
 
+def test_cond_and_uncond_of_different_shapes_are_learned_once_each(deepcache):
+    """A negative prompt of another length than the positive one: ComfyUI runs the two in separate model calls of
+    different input shapes (as Ideogram 4 runs its unconditional pass on the image rows alone), so discovery learns
+    each shape once; interval 1 is the model alone bit for bit, and the second run at interval 3 calls the blocks
+    at least 40% less with no cache miss."""
+    import comfy.sample
+
+    kind = "made_up"
+    model = tiny(kind)
+    gen = torch.Generator().manual_seed(3)
+    positive = [[torch.randn(1, 8, 64, generator=gen), {}]]
+    negative = [[torch.randn(1, 5, 64, generator=gen), {}]]
+    latent = torch.zeros(1, 4, 8, 8)
+
+    def run(patched):
+        with torch.inference_mode():
+            return comfy.sample.sample(patched, comfy.sample.prepare_noise(latent, 0), STEPS, 3.0, "euler", "normal",
+                                       positive, negative, latent, denoise=1.0, disable_pbar=True, seed=0)
+
+    with BlockCalls(model, kind) as plain_calls:
+        plain = run(model)
+    assert torch.equal(run(deepcache.apply_deepcache(model, 1, 1)), plain)
+    cached = deepcache.apply_deepcache(model, 3, 1)
+    run(cached)
+    with BlockCalls(model, kind) as calls:
+        again = run(cached)
+    assert calls.count <= 0.6 * plain_calls.count and not torch.equal(again, plain), (calls.count, plain_calls.count)
+    from comfyui_int8_accel.nodes.deepcache import discovery
+
+    assert len(discovery._MODELS[model.get_model_object("diffusion_model")]) >= 2  # one record per input shapes
+
+
 def test_blocks_that_pass_state_besides_their_arguments_run_uncached_and_say_so(deepcache):
     """The made-up model whose blocks also talk through a shared dict: the check finds that serving the captured
     features does not reproduce it, so every run is uncached (bit-identical to the model alone) and the summary
