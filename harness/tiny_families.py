@@ -1,9 +1,10 @@
-"""Tiny random-weight models of the diffusion families DeepCache has no block rules for, plus two made-up ones.
+"""Tiny random-weight models of the diffusion families DeepCache has no block rules for, plus made-up ones.
 
 Each ComfyUI family is built the way a loader builds it: its own `comfy.supported_models` config class with a
 shrunk `unet_config`, `cfg.get_model(...)`, random weights (harness.tiny_models.build_random_model), wrapped in a
-ModelPatcher. The two made-up families ("made_up", "made_up_side_channel") are diffusion models no ComfyUI family
-uses, with blocks under unusual names and called in unusual ways, for testing how block discovery copes.
+ModelPatcher. The made-up families ("made_up...") are diffusion models no ComfyUI family uses, with blocks under
+unusual names and called in unusual ways (each a pattern met in a ComfyUI model, written anew here), for testing
+how block discovery copes.
 
 How each family's forward reaches its main block stack (`FamilySpec.block_stack`):
 
@@ -26,6 +27,19 @@ How each family's forward reaches its main block stack (`FamilySpec.block_stack`
   `(tokens, aux)` and `aux` is dropped; no long skips.
 - made_up_side_channel: `cells` (nn.ModuleDict); plain iteration, `cell(tokens, vec)` returns tokens, but each
   cell also reads the tensor the previous cell left in a dict the cells share, so skipping one changes the result.
+- made_up_side_stack: `stages` (narrow, on 1024 image tokens: most of the compute, a few percent of the weights)
+  beside `style_encoder`, a stack of wide blocks on 2 style tokens taken from the prompt (most of the weights, a
+  few percent of the compute) whose pooled output conditions every stage, as a lyric or prompt encoder inside a
+  diffusion model does (ACE-Step's lyric encoder).
+- made_up_methods: `stages`; the forward never calls a stage as a module but a method of its class,
+  `stage.denoise(cond_vec, tokens, scale=..., context=...)`, once per stage and step (ComfyUI 0.38.1's SenseNova
+  U1.5 calls `layer.forward_generation(...)`).
+- made_up_two_lanes: `layers`; each layer is entered twice per call through two methods: `layer.prompt_pass(prompt,
+  vec)` returns the prompt rows and their keys and values, which `layer.image_pass(image, vec, keys, values)`
+  attends to on the image rows (SenseNova U1.5's forward_prefix / forward_generation, Wan Animate 2's forward_pose
+  / forward_gen beside it).
+
+None of them honours transformer_options.
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ class FamilySpec(NamedTuple):
     tokens: int  # conditioning length
     block_stack: str  # dotted path of the main block container on the diffusion model
     cfg: float = 3.0  # default CFG scale for sample_family
+    entry: str = ""  # the method of a block the forward enters the main stack's blocks by ("": a module call)
 
 
 NEW_FAMILIES: dict[str, FamilySpec] = {
@@ -136,6 +151,20 @@ NEW_FAMILIES: dict[str, FamilySpec] = {
         "image_model": "made_up", "in_channels": 4, "hidden_size": 64, "depth": 6, "num_heads": 2,
         "context_dim": 64, "patch_size": 2, "side_channel": False, "long_skip": True},
         (4, 8, 8), 64, 8, "stages"),
+    # patch 1 on 16x32: 512 image tokens through 6 stages 64 wide; 12 style blocks 192 wide on 2 tokens
+    "made_up_side_stack": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "side_stack", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 1, "style_width": 192, "style_depth": 12,
+        "style_tokens": 2},
+        (4, 16, 32), 64, 8, "stages"),
+    "made_up_methods": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "methods", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 8, 8), 64, 8, "stages", entry="denoise"),
+    "made_up_two_lanes": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "two_lanes", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 8, 8), 64, 8, "layers", entry="image_pass"),
 }
 
 
@@ -282,6 +311,137 @@ class MadeUpDiT(nn.Module):
         return out.reshape(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
 
 
+class StyleBlock(nn.Module):
+    """A wide pre-norm transformer block for the side stack: `forward(tokens)` returns tokens."""
+
+    def __init__(self, dim: int, heads: int, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.norm1 = operations.LayerNorm(dim, eps=1e-6, **ops)
+        self.qkv = operations.Linear(dim, 3 * dim, **ops)
+        self.proj = operations.Linear(dim, dim, **ops)
+        self.norm2 = operations.LayerNorm(dim, eps=1e-6, **ops)
+        self.mlp_in = operations.Linear(dim, 4 * dim, **ops)
+        self.mlp_out = operations.Linear(4 * dim, dim, **ops)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(tokens)).chunk(3, dim=-1)
+        tokens = tokens + 0.5 * self.proj(_attention(q, k, v, self.heads))
+        return tokens + 0.5 * self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.norm2(tokens))))
+
+
+class MethodStage(MadeUpStage):
+    """A MadeUpStage whose work is the method `denoise`, which the forward calls instead of the module."""
+
+    def denoise(self, cond_vec: torch.Tensor, tokens: torch.Tensor, *, scale: float,
+                context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return MadeUpStage.forward(self, cond_vec, tokens, scale=scale, context=context)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("MethodStage is entered by denoise(), never called as a module")
+
+
+class TwoLaneLayer(nn.Module):
+    """One layer with two ways in: `prompt_pass(prompt, vec)` -> (prompt, keys, values) on the prompt rows, and
+    `image_pass(image, vec, keys, values)` -> image, attending to the image rows and the prompt's keys and values."""
+
+    def __init__(self, dim: int, heads: int, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.prompt_qkv = operations.Linear(dim, 3 * dim, **ops)
+        self.prompt_out = operations.Linear(dim, dim, **ops)
+        self.mod = operations.Linear(dim, 3 * dim, **ops)
+        self.norm1 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.qkv = operations.Linear(dim, 3 * dim, **ops)
+        self.proj = operations.Linear(dim, dim, **ops)
+        self.norm2 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.mlp_in = operations.Linear(dim, 4 * dim, **ops)
+        self.mlp_out = operations.Linear(4 * dim, dim, **ops)
+
+    def prompt_pass(self, prompt: torch.Tensor, vec: torch.Tensor):
+        q, k, v = self.prompt_qkv(prompt).chunk(3, dim=-1)
+        return prompt + 0.5 * self.prompt_out(_attention(q, k, v, self.heads)), k, v
+
+    def image_pass(self, image: torch.Tensor, vec: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor) -> torch.Tensor:
+        shift, gain, gate = self.mod(torch.nn.functional.silu(vec)).unsqueeze(1).chunk(3, dim=-1)
+        q, k, v = self.qkv(self.norm1(image) * (1 + gain) + shift).chunk(3, dim=-1)
+        attended = _attention(q, torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1), self.heads)
+        image = image + gate * self.proj(attended)
+        return image + self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.norm2(image))))
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("TwoLaneLayer is entered by prompt_pass() and image_pass(), never called as a module")
+
+
+class MadeUpVariantDiT(nn.Module):
+    """The made-up variants (`variant`): "side_stack", "methods", "two_lanes" (see the module doc); the patching,
+    embeddings and output head are MadeUpDiT's."""
+
+    def __init__(self, variant: str, in_channels: int = 4, hidden_size: int = 64, depth: int = 6,
+                 num_heads: int = 2, context_dim: int = 64, patch_size: int = 2, style_width: int = 256,
+                 style_depth: int = 8, style_tokens: int = 2, image_model: str | None = None, dtype=None,
+                 device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.dtype = dtype
+        self.variant = variant
+        self.patch_size = patch_size
+        self.style_tokens = style_tokens
+        self.x_in = operations.Linear(in_channels * patch_size * patch_size, hidden_size, **ops)
+        self.pos = nn.Parameter(torch.empty(1, 1024, hidden_size, **ops))
+        self.t_in = nn.Sequential(operations.Linear(256, hidden_size, **ops), nn.SiLU(),
+                                  operations.Linear(hidden_size, hidden_size, **ops))
+        self.pool_in = operations.Linear(context_dim, hidden_size, **ops)
+        if variant == "two_lanes":
+            self.prompt_in = operations.Linear(context_dim, hidden_size, **ops)
+            self.layers = nn.ModuleList([TwoLaneLayer(hidden_size, num_heads, operations=operations, **ops)
+                                         for _ in range(depth)])
+        else:
+            stage = MethodStage if variant == "methods" else MadeUpStage
+            self.stages = nn.ModuleList([stage(hidden_size, num_heads, context_dim, operations=operations, **ops)
+                                         for _ in range(depth)])
+            self.stage_scales = [1.0 / (1 + i) ** 0.5 for i in range(depth)]
+        if variant == "side_stack":
+            self.style_in = operations.Linear(context_dim, style_width, **ops)
+            self.style_encoder = nn.ModuleList([StyleBlock(style_width, num_heads, operations=operations, **ops)
+                                                for _ in range(style_depth)])
+            self.style_out = operations.Linear(style_width, hidden_size, **ops)
+        self.norm_out = operations.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6, **ops)
+        self.x_out = operations.Linear(hidden_size, in_channels * patch_size * patch_size, **ops)
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, **kwargs) -> torch.Tensor:
+        b, c, h, w = x.shape
+        p = self.patch_size
+        tokens = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), -1)
+        tokens = self.x_in(tokens)
+        tokens = tokens + self.pos[:, :tokens.shape[1]].to(tokens)
+        vec = self.t_in(_timestep_features(timesteps, 256).to(tokens.dtype)) + self.pool_in(context.mean(dim=1))
+        if self.variant == "side_stack":
+            style = self.style_in(context[:, :self.style_tokens])
+            for block in self.style_encoder:
+                style = block(style)
+            vec = vec + self.style_out(style.mean(dim=1))
+        if self.variant == "two_lanes":
+            prompt = self.prompt_in(context)
+            for layer in self.layers:
+                prompt, keys, values = layer.prompt_pass(prompt, vec)
+                tokens = layer.image_pass(tokens, vec, keys, values)
+        else:
+            for i, stage in enumerate(self.stages):
+                enter = stage.denoise if self.variant == "methods" else stage
+                tokens, _aux = enter(vec, tokens, scale=self.stage_scales[i], context=context)
+        out = self.x_out(self.norm_out(tokens))
+        return out.reshape(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
+def _made_up_net(variant: str | None = None, **config) -> nn.Module:
+    """The made-up diffusion model a config's `variant` names (none: MadeUpDiT)."""
+    return MadeUpDiT(**config) if variant is None else MadeUpVariantDiT(variant, **config)
+
+
 _MADE_UP_CONFIG: type | None = None
 
 
@@ -295,7 +455,7 @@ def _made_up_config() -> type:
 
         class MadeUpModel(comfy.model_base.BaseModel):
             def __init__(self, model_config, model_type=comfy.model_base.ModelType.FLOW, device=None):
-                super().__init__(model_config, model_type, device=device, unet_model=MadeUpDiT)
+                super().__init__(model_config, model_type, device=device, unet_model=_made_up_net)
 
         class MadeUp(comfy.supported_models_base.BASE):
             unet_config = {"image_model": "made_up"}
@@ -356,6 +516,11 @@ def block_stack(kind: str) -> str:
     """Dotted path of the family's main block container on `model.model.diffusion_model` (see the module doc for
     how its forward reaches the blocks)."""
     return _spec(kind).block_stack
+
+
+def block_entry(kind: str) -> str:
+    """The method of a block the family's forward enters its main stack's blocks by ("": a module call)."""
+    return _spec(kind).entry
 
 
 def family_latent(kind: str, batch: int = 1) -> torch.Tensor:

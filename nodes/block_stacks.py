@@ -1,10 +1,15 @@
 """The repeated-block stacks of a diffusion model, found in its module tree: what DeepCache caches across and what
 Compile Model compiles per block, for any model, also one no table names.
 
-A stack is an `nn.ModuleList` or `nn.ModuleDict` of two or more blocks of one class, each a module made of modules
-with weights of its own (not a list of norms or of Linears), holding at least a tenth of the model's parameters;
-the outermost such containers count (a block's own lists are not stacks). Models whose stacks hold no more than half
-of their parameters have none in this sense.
+A block container is an `nn.ModuleList` or `nn.ModuleDict` of two or more blocks of one class, each a module made
+of modules with weights of its own (not a list of norms or of Linears); the outermost such containers count (a
+block's own lists are not stacks).
+
+- `find_block_stacks` (Compile Model): the containers holding at least a tenth of the model's parameters each;
+  models whose stacks hold no more than half of their parameters have none in this sense.
+- `candidate_stacks` (DeepCache): every outermost container, whatever its share, where together they hold over half
+  of the parameters; DeepCache measures on the first model call which of them hold the compute (a narrow denoiser
+  beside a wide encoder that runs on a handful of tokens holds few parameters and most of the compute).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def is_block_container(module: torch.nn.Module) -> bool:
             and next(first.children(), None) is not None and next(first.parameters(), None) is not None)
 
 
-def _find(diffusion_model: torch.nn.Module) -> tuple[FoundStack, ...]:
+def _find(diffusion_model: torch.nn.Module, min_share: float) -> tuple[FoundStack, ...]:
     total = parameter_count(diffusion_model)
     found: list[FoundStack] = []
     if not total:
@@ -54,7 +59,7 @@ def _find(diffusion_model: torch.nn.Module) -> tuple[FoundStack, ...]:
         if any(path.startswith(stack.path + ".") for stack in found) or not is_block_container(module):
             continue
         share = parameter_count(module) / total
-        if share >= MIN_STACK_SHARE:
+        if share >= min_share:
             found.append(FoundStack(path, type(stack_members(module)[0]).__name__, len(module), share))
     return tuple(found) if sum(stack.share for stack in found) > MIN_TOTAL_SHARE else ()
 
@@ -62,12 +67,23 @@ def _find(diffusion_model: torch.nn.Module) -> tuple[FoundStack, ...]:
 _FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _found(diffusion_model: torch.nn.Module, min_share: float) -> list[FoundStack]:
+    per_model = _FOUND.setdefault(diffusion_model, {})
+    if min_share not in per_model:
+        per_model[min_share] = _find(diffusion_model, min_share)
+    return list(per_model[min_share])
+
+
 def find_block_stacks(diffusion_model: torch.nn.Module) -> list[FoundStack]:
-    """The block stacks of `diffusion_model` (see the module's text), in module order; walked once per model."""
-    found = _FOUND.get(diffusion_model)
-    if found is None:
-        found = _FOUND[diffusion_model] = _find(diffusion_model)
-    return list(found)
+    """The block stacks of `diffusion_model` holding a tenth of its parameters each (see the module's text), in
+    module order; walked once per model."""
+    return _found(diffusion_model, MIN_STACK_SHARE)
+
+
+def candidate_stacks(diffusion_model: torch.nn.Module) -> list[FoundStack]:
+    """Every outermost block container of `diffusion_model`, in module order, where together they hold over half of
+    its parameters (else none); what DeepCache measures the compute of."""
+    return _found(diffusion_model, 0.0)
 
 
 def describe(stacks: list[FoundStack]) -> str:

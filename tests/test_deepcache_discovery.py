@@ -35,7 +35,7 @@ def _learned(model):
             for wrapper in wrappers:
                 owner = getattr(wrapper, "__self__", None)
                 if isinstance(owner, DiscoveredBlocks):
-                    return list(owner._learned.values())
+                    return owner.learned()
     return []
 
 

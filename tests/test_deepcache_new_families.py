@@ -1,22 +1,26 @@
 # ruff: noqa: F811 (the fixtures imported from tests.support.deepcache_tiny are test arguments here)
 """DeepCache on the diffusion families ComfyUI 0.3.75 ships that its table does not name, built tiny through each
 family's own `supported_models` config as a loader builds them (harness/tiny_families.py), and on two made-up
-ones: a block stack under a name and a call signature no ComfyUI model uses, and one whose blocks pass state
-besides their arguments, which the check must catch."""
+ones: a block stack under a name and a call signature no ComfyUI model uses, one whose blocks pass state besides
+their arguments, which the check must catch, one whose widest stack runs on two tokens beside the stack doing the
+work, and two whose forward enters its blocks through methods of their class (once, or twice by two methods)."""
 
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
 
-from harness.tiny_families import block_stack, build_family, sample_family
+from harness.tiny_families import block_entry, block_stack, build_family, sample_family
 from tests.support.deepcache_tiny import deepcache, one_thread  # noqa: F401 (fixtures)
 
 COMFY_FAMILIES = ["auraflow", "pixart", "hunyuan_dit", "mochi", "cosmos1", "omnigen2", "ace_step", "stable_audio",
                   "hunyuan3d", "hunyuan3d21"]
-CACHED = [*COMFY_FAMILIES, "made_up", "made_up_long_skip"]
+CACHED = [*COMFY_FAMILIES, "made_up", "made_up_long_skip", "made_up_side_stack", "made_up_methods",
+          "made_up_two_lanes"]
+LONG_SKIPS = {"hunyuan_dit", "hunyuan3d21", "made_up_long_skip"}
 STEPS = 6
 _MODELS: dict = {}
 
@@ -28,25 +32,41 @@ def tiny(kind: str):
 
 
 class BlockCalls:
-    """Forward calls of every block of the model's block stacks (as DeepCache finds them), per model call."""
+    """Calls of the blocks of the family's main stack (`block_stack`), made the way its forward enters them (module
+    calls, or the method `block_entry` names, counted on the class)."""
 
-    def __init__(self, model) -> None:
-        from comfyui_int8_accel.nodes.block_stacks import find_block_stacks, stack_members
+    def __init__(self, model, kind: str) -> None:
+        from comfyui_int8_accel.nodes.block_stacks import stack_members
 
         net = model.get_model_object("diffusion_model")
-        self.blocks = [block for stack in find_block_stacks(net) for block in stack_members(net.get_submodule(stack.path))]
+        self.blocks = stack_members(net.get_submodule(block_stack(kind)))
+        self.entry = block_entry(kind)
         self.count = 0
 
     def __enter__(self):
-        def counted(module, args, kwargs):
-            self.count += 1
+        if self.entry:
+            cls = type(self.blocks[0])
+            original = cls.__dict__[self.entry]
 
-        self.handles = [block.register_forward_pre_hook(counted, with_kwargs=True) for block in self.blocks]
+            def counted(block, *args, **kwargs):
+                self.count += 1
+                return original(block, *args, **kwargs)
+
+            setattr(cls, self.entry, counted)
+            self.handles = []
+            self.restore = lambda: setattr(cls, self.entry, original)
+        else:
+            def counted_call(module, args, kwargs):
+                self.count += 1
+
+            self.handles = [block.register_forward_pre_hook(counted_call, with_kwargs=True) for block in self.blocks]
+            self.restore = lambda: None
         return self
 
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
+        self.restore()
 
 
 def _summary_notes(model, kind: str) -> list[str]:
@@ -69,32 +89,47 @@ def _summary_notes(model, kind: str) -> list[str]:
     return out, summaries
 
 
+def _cached_stacks(summaries: list[str]) -> str:
+    """What the summary says DeepCache caches (the stacks named between "caches" and what it left out)."""
+    note = next(line for summary in summaries for line in summary.splitlines()
+                if line.startswith("DeepCache found the blocks of"))
+    return note.split(" and caches ", 1)[1].split("; left out", 1)[0].split("; checked", 1)[0]
+
+
 @pytest.mark.parametrize("kind", CACHED)
 def test_accepted_bit_identical_at_interval_one_and_fewer_block_calls_at_three(deepcache, kind):
     """Accepted; `cache_interval` 1 bit-identical to the model alone; at interval 3, in reuse and forecast, a run
-    after the first (which learns and checks) calls at least 40% fewer blocks; the MODEL without DeepCache is
-    unchanged afterwards; the node's summary names the stacks found."""
+    after the first (which learns and checks) calls the main stack's blocks at least 40% less often, and the first
+    run after the node executes at most one model forward's worth more than that (learning happens once per model;
+    a long skip makes the check capture through DeepCache's stand-ins, one forward more); the MODEL without
+    DeepCache is unchanged afterwards; the node's summary names the main stack as the one cached."""
     model = tiny(kind)
-    with BlockCalls(model) as plain_calls:
+    with BlockCalls(model, kind) as plain_calls:
         plain = sample_family(model, kind, steps=STEPS)
     assert plain_calls.count > 0 and block_stack(kind) in {stack for stack in _stack_paths(model)}
     assert torch.equal(sample_family(deepcache.apply_deepcache(model, 1, 1), kind, steps=STEPS), plain)
+    per_forward = plain_calls.count // STEPS
     for mode in ("reuse", "forecast"):
         cached = deepcache.apply_deepcache(model, 3, 1, mode=mode)
-        first, summaries = _summary_notes(cached, kind)
-        assert any("DeepCache found the blocks of" in summary for summary in summaries), summaries
-        with BlockCalls(model) as calls:
+        with BlockCalls(model, kind) as first_calls:
+            first, summaries = _summary_notes(cached, kind)
+        assert f"{block_stack(kind)} (" in _cached_stacks(summaries), summaries
+        with BlockCalls(model, kind) as calls:
             again = sample_family(cached, kind, steps=STEPS)
         assert calls.count <= 0.6 * plain_calls.count, (mode, calls.count, plain_calls.count)
+        forwards = 2 if kind in LONG_SKIPS else 1
+        assert first_calls.count - calls.count <= forwards * per_forward, (mode, first_calls.count, calls.count)
+        if mode == "forecast":  # a second node on the same model: what was learned is not learned again
+            assert first_calls.count == calls.count, (first_calls.count, calls.count)
         assert torch.isfinite(again).all() and again.shape == plain.shape and not torch.equal(again, plain)
         assert torch.equal(again, first)  # the second run caches as the first did
     assert torch.equal(sample_family(model, kind, steps=STEPS), plain)
 
 
 def _stack_paths(model) -> list[str]:
-    from comfyui_int8_accel.nodes.block_stacks import find_block_stacks
+    from comfyui_int8_accel.nodes.block_stacks import candidate_stacks
 
-    return [stack.path for stack in find_block_stacks(model.get_model_object("diffusion_model"))]
+    return [stack.path for stack in candidate_stacks(model.get_model_object("diffusion_model"))]
 
 
 @pytest.mark.parametrize("kind", ["hunyuan_dit", "hunyuan3d21", "made_up_long_skip"])
@@ -120,8 +155,102 @@ def test_long_skips_serve_every_skipped_block(deepcache, monkeypatch, kind):
     if kind == "made_up_long_skip":
         discovery = importlib.import_module("comfyui_int8_accel.nodes.deepcache.discovery")
         monkeypatch.setattr(discovery, "_long_skip", lambda calls, mappings: False)
+        discovery.forget(model.get_model_object("diffusion_model"))  # learned once per model: learn it again
         _, summaries = _summary_notes(deepcache.apply_deepcache(model, 3, 1), kind)
         assert any("uncached" in summary and "changed the output" in summary for summary in summaries), summaries
+
+
+def test_a_wide_stack_on_two_tokens_is_left_out_and_the_summary_says_why(deepcache):
+    """The made-up model whose style encoder holds most of the weights and runs on two tokens: DeepCache caches the
+    narrow stack doing the work, the encoder runs on every step, and the summary names both with their shares."""
+    kind = "made_up_side_stack"
+    model = tiny(kind)
+    net = model.get_model_object("diffusion_model")
+    encoder = [0]
+    handles = [block.register_forward_pre_hook(lambda *a: encoder.__setitem__(0, encoder[0] + 1))
+               for block in net.style_encoder]
+    try:
+        _, summaries = _summary_notes(deepcache.apply_deepcache(model, 3, 1), kind)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert _cached_stacks(summaries).startswith("stages (6 x MadeUpStage, 9"), summaries  # 9x% of the compute
+    left_out = next(summary for summary in summaries if "left out" in summary).split("left out: ", 1)[1]
+    shares = re.match(r"style_encoder \(12 x StyleBlock, (\d+)% of the model call's compute, (\d+)% of the "
+                      r"parameters\): under 10% of the call's compute", left_out)
+    assert shares and int(shares[1]) < 10 and int(shares[2]) > 80, left_out
+    assert encoder[0] >= STEPS * len(net.style_encoder)  # every step runs it, the check's call too
+
+
+def test_what_was_learned_is_kept_for_the_model_and_a_new_depth_is_checked_on_the_steps_own_call(deepcache):
+    """Learned once per diffusion model: after a DeepCache node at depth 1 has run, one at depth 2 checks its
+    segments on the step's own capturing call plus one cached call (four of the six blocks), not a forward more,
+    and gives what its second run gives."""
+    from comfyui_int8_accel.nodes.deepcache import discovery
+
+    kind = "made_up"
+    model = tiny(kind)
+    discovery.forget(model.get_model_object("diffusion_model"))
+    sample_family(deepcache.apply_deepcache(model, 3, 1), kind, steps=STEPS)
+    deeper = deepcache.apply_deepcache(model, 3, 2)
+    with BlockCalls(model, kind) as first:
+        out = sample_family(deeper, kind, steps=STEPS)
+    with BlockCalls(model, kind) as again:
+        assert torch.equal(sample_family(deeper, kind, steps=STEPS), out)
+    assert first.count - again.count == 4, (first.count, again.count)
+
+
+def test_blocks_a_users_block_patch_calls_through_original_block_are_cached(deepcache):
+    """Hunyuan3D v2 looks its blocks up through `patches_replace["dit"]`: with a user's patch on every block, which
+    calls `original_block`, discovery still reaches them (the patch calls DeepCache's stand-in), interval 1 is the
+    patched model bit for bit and interval 3 runs the main stack at least 40% less."""
+    kind = "hunyuan3d"
+    model = tiny(kind)
+    net = model.get_model_object("diffusion_model")
+    patched = model.clone()
+    for key, blocks in (("double_block", net.double_blocks), ("single_block", net.single_blocks)):
+        for index in range(len(blocks)):
+            patched.set_model_patch_replace(lambda args, extra: extra["original_block"](args), "dit", key, index)
+    with BlockCalls(model, kind) as plain_calls:
+        plain = sample_family(patched, kind, steps=STEPS)
+    assert torch.equal(sample_family(deepcache.apply_deepcache(patched, 1, 1), kind, steps=STEPS), plain)
+    cached = deepcache.apply_deepcache(patched, 3, 1)
+    sample_family(cached, kind, steps=STEPS)
+    with BlockCalls(model, kind) as calls:
+        out = sample_family(cached, kind, steps=STEPS)
+    assert calls.count <= 0.6 * plain_calls.count and not torch.equal(out, plain), (calls.count, plain_calls.count)
+
+
+def test_cond_and_uncond_of_different_shapes_are_learned_once_each(deepcache):
+    """A negative prompt of another length than the positive one: ComfyUI runs the two in separate model calls of
+    different input shapes (as Ideogram 4 runs its unconditional pass on the image rows alone), so discovery learns
+    each shape once; interval 1 is the model alone bit for bit, and the second run at interval 3 calls the blocks
+    at least 40% less with no cache miss."""
+    import comfy.sample
+
+    kind = "made_up"
+    model = tiny(kind)
+    gen = torch.Generator().manual_seed(3)
+    positive = [[torch.randn(1, 8, 64, generator=gen), {}]]
+    negative = [[torch.randn(1, 5, 64, generator=gen), {}]]
+    latent = torch.zeros(1, 4, 8, 8)
+
+    def run(patched):
+        with torch.inference_mode():
+            return comfy.sample.sample(patched, comfy.sample.prepare_noise(latent, 0), STEPS, 3.0, "euler", "normal",
+                                       positive, negative, latent, denoise=1.0, disable_pbar=True, seed=0)
+
+    with BlockCalls(model, kind) as plain_calls:
+        plain = run(model)
+    assert torch.equal(run(deepcache.apply_deepcache(model, 1, 1)), plain)
+    cached = deepcache.apply_deepcache(model, 3, 1)
+    run(cached)
+    with BlockCalls(model, kind) as calls:
+        again = run(cached)
+    assert calls.count <= 0.6 * plain_calls.count and not torch.equal(again, plain), (calls.count, plain_calls.count)
+    from comfyui_int8_accel.nodes.deepcache import discovery
+
+    assert len(discovery._MODELS[model.get_model_object("diffusion_model")]) >= 2  # one record per input shapes
 
 
 def test_blocks_that_pass_state_besides_their_arguments_run_uncached_and_say_so(deepcache):

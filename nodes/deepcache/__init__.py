@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from ..block_stacks import find_block_stacks
-from .discovery import DiscoveredBlocks, not_found_message
+from ..block_stacks import candidate_stacks
+from .discovery import DiscoveredBlocks, learned_layout, not_found_message
 from .dit import install_dit, uncached_message
 from .families import block_layout, family_of
 from .segments import max_depth
@@ -42,11 +42,13 @@ def apply_deepcache(model, cache_interval: int = 3, cache_depth: int = 1, start_
         family = family_of(diffusion_model)
         if family is not None:
             layout = block_layout(diffusion_model, family)
-        else:  # a model the table does not name: its block stacks, found in its module tree
-            found = find_block_stacks(diffusion_model)
+        else:  # a model the table does not name: its block stacks, found in its module tree (which of them hold
+            # the compute is measured on the first call; until then every one may be cached)
+            found = candidate_stacks(diffusion_model)
             if not found:
                 raise ValueError(not_found_message(diffusion_model))
-            layout = [(number, index) for number, stack in enumerate(found) for index in range(stack.blocks)]
+            layout = learned_layout(diffusion_model) or [
+                (number, index) for number, stack in enumerate(found) for index in range(stack.blocks)]
         limit = max_depth(layout)
         kind = f"this {type(diffusion_model).__name__} has {len(layout)} blocks and needs at least one middle block"
     if settings.cache_depth > limit:

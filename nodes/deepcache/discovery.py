@@ -1,16 +1,28 @@
-"""DeepCache for diffusion models no family entry names: their block stacks found in the module tree, how streams
-pass the blocks learned from the first model call, and the result checked against the uncached model.
+"""DeepCache for diffusion models no family entry names: their block stacks found in the module tree, the ones that
+hold the compute chosen and how streams pass their blocks learned from the first model call, and the result
+checked against the uncached model.
 
-- Found: its block stacks (`nodes/block_stacks.py`: containers of like blocks holding most of its parameters).
-- Learned, on the first call of a sampling run, with the model run as it is: the order the blocks run in (each
-  exactly once), and for each stack which of a block's outputs the next block takes, at which argument (by
-  identity: the very tensor, passed on unchanged; else the one argument of its shape, where the forward reshapes
-  the stream between blocks). Those are the stack's streams; what a block returns after them
-  goes back to the forward as it came. A block output that a later block takes outside its streams (a long skip,
-  as HunyuanDiT's) makes every middle block its own segment, so each skipped block hands on its own output.
-- Checked, on the same call's inputs: the stacks swapped for DeepCache's stand-ins must give the uncached output
-  bit for bit while capturing, and within rounding when serving the captured residuals. A model that fails runs
-  uncached, and the run's summary says which stacks were tried and why.
+- Found: the candidate stacks (`nodes/block_stacks.py` `candidate_stacks`: outermost containers of like blocks).
+- Chosen, on the first call of a sampling run that caches, by compute: the multiply-accumulates of the weighted
+  layers each stack's blocks ran on that call's shapes (deterministic, the same on every machine). A stack doing at
+  least a tenth of the call's work is cached; one that does less (an encoder that runs on a handful of prompt or
+  lyric tokens, however many parameters it holds) or that never ran is left out, and the summary says so.
+- Learned on the same call, with the model run as it is: how the forward enters each block (a module call, or
+  a method of the block's class, as `layer.forward_generation(x, ...)`; a `patches_replace["dit"]` patch's
+  `original_block` calls the module), the order the blocks run in (each exactly once), and for each stack which of
+  a block's outputs the next block takes, at which argument (by identity: the very tensor, passed on unchanged;
+  else the one argument of its shape, where the forward reshapes the stream between blocks). Those are the stack's
+  streams; what a block returns after them goes back to the forward as it came. A block output that a later block
+  takes outside its streams (a long skip, as HunyuanDiT's) makes every middle block its own segment, so each
+  skipped block hands on its own output. That call also keeps copies of the inputs and outputs the first step's
+  residuals are taken from, so it captures as a capturing call would.
+- Checked, on the same call's inputs: serving the captured residuals through DeepCache's stand-ins must give the
+  uncached output within rounding (where the first call could not capture, as with long skips, a capturing call
+  through the stand-ins must also give it bit for bit). A model that fails runs uncached, and the run's summary
+  says which stacks were tried and why.
+- Kept: what was learned is kept for that diffusion model object (weakly) and its input shapes, across node
+  executions and prompts; a DeepCache node with other settings reuses it (a new cache_depth is checked again, on
+  a call that is the step's own capture).
 
 Blocks are reached by swapping their container for the duration of a model call, which also serves forwards that
 look blocks up through `patches_replace["dit"]` (the stand-in is what `original_block` calls).
@@ -26,16 +38,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..block_stacks import MIN_TOTAL_SHARE, FoundStack, describe, stack_members
+from ..block_stacks import MIN_TOTAL_SHARE, FoundStack, parameter_count, stack_members
 from .dit import block_swap
 from .families import BlockStack, Family, supported_names
-from .segments import middle_places
-from .steps import WRAPPER_KEY, FeatureCache, Mode, ModelCall, active_call, active_run, scratch_call
+from .recording import BlockCall, Place, Recording, record_block_calls
+from .segments import BlockPlace, middle_places
+from .steps import WRAPPER_KEY, FeatureCache, Mode, ModelCall, active_call, active_run, chunk_signature, scratch_call
 
 log = logging.getLogger("int8_accel.deepcache")
 
-KEYWORD_ONLY = 1 << 20  # the position of a stream that enters only by keyword
-
+MIN_COMPUTE_SHARE = 0.1  # of the model call's multiply-accumulates, for a stack to be cached
 
 def not_found_message(diffusion_model: torch.nn.Module) -> str:
     cls = type(diffusion_model)
@@ -48,87 +60,22 @@ def not_found_message(diffusion_model: torch.nn.Module) -> str:
 
 
 # --- learning from a call ----------------------------------------------------------------------------------------
-Place = tuple[int, str]  # (position, keyword) of an argument; KEYWORD_ONLY when it came by keyword only
-
-
-@dataclass
-class _BlockCall:
-    """One block call, as discovery keeps it: no tensor (on a GPU, every block's activations of a video model would
-    be gigabytes), only each tensor argument's shape and dtype and, where it is a tensor an earlier block returned,
-    which (call, output position); the same of the outputs, with a weak reference for identity checks."""
-
-    stack: int
-    index: int
-    arguments: dict[Place, tuple] = field(default_factory=dict)  # place -> (shape, dtype)
-    sources: dict[Place, tuple[int, int]] = field(default_factory=dict)  # place -> (call number, output position)
-    outputs: list[tuple | None] = field(default_factory=list)  # per output: (shape, dtype), None when no tensor
-    done: bool = False
-
-
 class LearnFailed(Exception):
     pass
 
 
-def _parameter_names(block: torch.nn.Module) -> list[str]:
+def _parameter_names(block: torch.nn.Module, entry: str) -> list[str]:
     try:
-        parameters = inspect.signature(block.forward).parameters.values()
-    except (TypeError, ValueError):
+        parameters = inspect.signature(getattr(block, entry) if entry else block.forward).parameters.values()
+    except (TypeError, ValueError, AttributeError):
         return []
     return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def _outputs(output) -> tuple:
-    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
-
-
-def _tensor_arguments(args: tuple, kwargs: dict) -> list[tuple[Place, torch.Tensor]]:
-    found = [((position, ""), arg) for position, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
-    return found + [((KEYWORD_ONLY, name), arg) for name, arg in kwargs.items() if isinstance(arg, torch.Tensor)]
-
-
-def record_block_calls(diffusion_model: torch.nn.Module, stacks: list[FoundStack], run: Callable[[], object]):
-    """(what `run` returned, every block call it made in order): each found block hooked for the one call."""
-    calls: list[_BlockCall] = []
-    returned: dict[int, tuple[weakref.ref, int, int]] = {}  # id(tensor) -> (reference, call number, output position)
-    handles = []
-
-    def before(module, args, kwargs, number: int, index: int):
-        call = _BlockCall(number, index)
-        for place, tensor in _tensor_arguments(args, kwargs):
-            call.arguments[place] = (tuple(tensor.shape), tensor.dtype)
-            source = returned.get(id(tensor))
-            if source is not None and source[0]() is tensor:
-                call.sources[place] = source[1:]
-        calls.append(call)
-
-    def after(module, args, kwargs, output, number: int, index: int):
-        position = next(n for n in range(len(calls) - 1, -1, -1)
-                        if calls[n].stack == number and calls[n].index == index and not calls[n].done)
-        call = calls[position]
-        call.done = True
-        for k, value in enumerate(_outputs(output)):
-            if isinstance(value, torch.Tensor):
-                call.outputs.append((tuple(value.shape), value.dtype))
-                returned[id(value)] = (weakref.ref(value), position, k)
-            else:
-                call.outputs.append(None)
-
-    for number, stack in enumerate(stacks):
-        for index, block in enumerate(stack_members(diffusion_model.get_submodule(stack.path))):
-            handles.append(block.register_forward_pre_hook(
-                lambda m, a, k, number=number, index=index: before(m, a, k, number, index), with_kwargs=True))
-            handles.append(block.register_forward_hook(
-                lambda m, a, k, o, number=number, index=index: after(m, a, k, o, number, index), with_kwargs=True))
-    try:
-        return run(), calls
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def learn_family(diffusion_model: torch.nn.Module, stacks: list[FoundStack],
-                 calls: list[_BlockCall]) -> tuple[Family, list[tuple[int, int]], bool]:
-    """(the family the calls show, its block layout in execution order, whether a block output skips ahead)."""
+                 calls: list[BlockCall]) -> tuple[Family, list[tuple[int, int]], bool, list[list[Place]]]:
+    """(the family the calls show, its block layout in execution order, whether a block output skips ahead, where
+    each stack's streams enter its blocks)."""
     seen = [(call.stack, call.index) for call in calls]
     if len(set(seen)) != len(seen):
         repeated = next(key for key in seen if seen.count(key) > 1)
@@ -143,19 +90,25 @@ def learn_family(diffusion_model: torch.nn.Module, stacks: list[FoundStack],
     mappings = [_stream_places(stack, calls, numbered[number]) for number, stack in enumerate(stacks)]
     block_stacks = []
     for number, stack in enumerate(stacks):
-        names = _parameter_names(stack_members(diffusion_model.get_submodule(stack.path))[0])
+        entries = {calls[n].entry for n in numbered[number]}
+        if len(entries) > 1:
+            raise LearnFailed(f"the forward enters the blocks of {stack.path} in more than one way ("
+                              + ", ".join(sorted(f".{entry}()" if entry else "module call" for entry in entries))
+                              + ")")
+        entry = entries.pop()
+        names = _parameter_names(stack_members(diffusion_model.get_submodule(stack.path))[0], entry)
         arguments = tuple((position, names[position] if position < len(names) else keyword)
                           for position, keyword in mappings[number])
         extra = max(len(calls[n].outputs) for n in numbered[number]) - len(mappings[number])
         block_stacks.append(BlockStack(stack.path, tuple(f"stream{n}" for n in range(len(mappings[number]))),
-                                       arguments=arguments, extra_outputs=extra))
+                                       arguments=arguments, extra_outputs=extra, method=entry or None))
     long_skip = _long_skip(calls, mappings)
     cls = type(diffusion_model)
     family = Family(f"{cls.__name__} (found)", cls.__module__, cls.__name__, tuple(block_stacks))
-    return family, seen, long_skip
+    return family, seen, long_skip, mappings
 
 
-def _handed_on(calls: list[_BlockCall], previous: int, nxt: int, k: int, taken: list[Place]) -> Place | None:
+def _handed_on(calls: list[BlockCall], previous: int, nxt: int, k: int, taken: list[Place]) -> Place | None:
     """Where call `nxt` took output `k` of call `previous`: the very tensor, else the one argument of its shape
     (the forward reshaped the stream between blocks, as HiDream swaps the prompt rows it appends)."""
     for place, source in calls[nxt].sources.items():
@@ -168,7 +121,7 @@ def _handed_on(calls: list[_BlockCall], previous: int, nxt: int, k: int, taken: 
     return alike[0] if len(alike) == 1 else None
 
 
-def _stream_places(stack: FoundStack, calls: list[_BlockCall], numbers: list[int]) -> list[Place]:
+def _stream_places(stack: FoundStack, calls: list[BlockCall], numbers: list[int]) -> list[Place]:
     """Where each of a block's leading outputs enters the next block of the stack: the same for every pair."""
     if len(numbers) < 2:
         raise LearnFailed(f"{stack.path} ran one block only")
@@ -189,7 +142,7 @@ def _stream_places(stack: FoundStack, calls: list[_BlockCall], numbers: list[int
     return mapping
 
 
-def _long_skip(calls: list[_BlockCall], mappings: list[list[Place]]) -> bool:
+def _long_skip(calls: list[BlockCall], mappings: list[list[Place]]) -> bool:
     """Whether a block's output reaches a later block other than as a stream handed on (HunyuanDiT's skips)."""
     for position, call in enumerate(calls):
         for place, (source, _) in call.sources.items():
@@ -199,26 +152,216 @@ def _long_skip(calls: list[_BlockCall], mappings: list[list[Place]]) -> bool:
     return False
 
 
+# --- choosing by compute ------------------------------------------------------------------------------------------
+def _percent(share: float) -> str:
+    return f"{100 * share:.0f}%" if share >= 0.01 or share == 0 else "<1%"
+
+
+@dataclass(frozen=True)
+class StackCompute:
+    stack: FoundStack
+    share: float  # of the model call's multiply-accumulates (of its parameters where no weighted layer ran)
+    ran: bool
+    entry: str = ""  # the method the forward entered its blocks by ("" a module call)
+    as_is: tuple[str, ...] = ()  # other ways the forward entered them, whose calls run as they are
+
+    def describe(self, measured: str) -> str:
+        how = f", entered by .{self.entry}()" if self.entry else ""
+        if self.as_is:
+            how += ", its " + " and ".join(f".{entry}()" if entry else "module" for entry in self.as_is) + \
+                " calls run as they are"
+        return (f"{self.stack.path} ({self.stack.blocks} x {self.stack.block_class}, {_percent(self.share)} of "
+                f"the {measured}, {_percent(self.stack.share)} of the parameters{how})")
+
+
+def choose_by_compute(net: torch.nn.Module, candidates: list[FoundStack],
+                      recording: Recording) -> tuple[list[int], list[StackCompute], str]:
+    """(the candidates cached, every candidate's compute, what was measured): the stacks doing at least
+    MIN_COMPUTE_SHARE of the call's work, in module order. Where the forward enters a stack's blocks in more than
+    one way (SenseNova U1.5's `forward_prefix` on the prompt, then `forward_generation` on the image, per block),
+    the way doing most of the work is cached and the others run as they are."""
+    ran = {call.stack for call in recording.calls}
+    lanes: dict[int, dict[str, int]] = {}  # stack -> entry -> multiply-accumulates
+    for call in recording.calls:
+        lane = lanes.setdefault(call.stack, {})
+        lane[call.entry] = lane.get(call.entry, 0) + call.macs
+    entries = {stack: max(lane, key=lane.get) for stack, lane in lanes.items()}
+    if recording.total_macs:
+        shares = [macs / recording.total_macs for macs in recording.macs]
+        measured = "model call's compute"
+    else:  # no weighted layer the hooks know ran (a model of other layers): parameters stand in
+        total = parameter_count(net) or 1
+        shares = [parameter_count(net.get_submodule(stack.path)) / total for stack in candidates]
+        measured = "parameters (no compute was measured)"
+    computes = [StackCompute(stack, shares[n], n in ran, entries.get(n, ""),
+                             tuple(entry for entry in lanes.get(n, {}) if entry != entries.get(n)))
+                for n, stack in enumerate(candidates)]
+    chosen = [n for n, compute in enumerate(computes) if compute.ran and compute.share >= MIN_COMPUTE_SHARE]
+    return chosen, computes, measured
+
+
+def _left_out(computes: list[StackCompute], chosen: list[int], measured: str) -> str:
+    reasons = []
+    for n, compute in enumerate(computes):
+        if n in chosen:
+            continue
+        why = "never ran" if not compute.ran else f"under {_percent(MIN_COMPUTE_SHARE)} of the call's compute"
+        reasons.append(f"{compute.describe(measured)}: {why}")
+    return "; left out: " + ", ".join(reasons) if reasons else ""
+
+
+# --- what is learned once per model ----------------------------------------------------------------------------
+@dataclass
+class Learned:
+    """DeepCache on one model at one cache_depth."""
+
+    family: Family | None = None
+    swap: Callable | None = None
+    failure: str | None = None  # why the model runs uncached
+    note: str = ""  # what the run's summary tells (the blocks cached and left out, or the failure)
+
+
+@dataclass
+class ModelRecord:
+    """What the first call taught about a diffusion model at its input shapes (learned once, kept weakly)."""
+
+    stacks: list[FoundStack]  # those cached
+    family: Family | None
+    layout: list[tuple[int, int]]
+    long_skip: bool
+    streams: list[list[Place]]  # per cached stack: where each stream enters its blocks (as recorded)
+    cached: str  # the summary's account of the stacks cached
+    left_out: str  # and of those left out, with why
+    failure: str | None = None
+    checked: dict[int, Learned] = field(default_factory=dict)  # per cache_depth
+
+
+_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # diffusion model -> {input shapes: ModelRecord}
+
+
+def learned_layout(diffusion_model: torch.nn.Module) -> list[tuple[int, int]] | None:
+    """The block layout discovery learned for this model (at any input shapes), or None."""
+    for record in _MODELS.get(diffusion_model, {}).values():
+        if record.failure is None:
+            return record.layout
+    return None
+
+
+def forget(diffusion_model: torch.nn.Module) -> None:
+    """Drop what was learned for this model (the next caching call learns again)."""
+    _MODELS.pop(diffusion_model, None)
+
+
+def _input_shapes(args: tuple, kwargs: dict) -> tuple:
+    def shape(value):
+        return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
+
+    return (tuple(shape(a) for a in args), tuple(sorted((k, shape(v)) for k, v in kwargs.items()
+                                                        if isinstance(v, torch.Tensor))))
+
+
+def _learn_model(net: torch.nn.Module, candidates: list[FoundStack],
+                 recording: Recording) -> tuple[ModelRecord, Recording]:
+    """What the recorded call teaches, and the recording of the stacks cached alone (numbered as those)."""
+    chosen, computes, measured = choose_by_compute(net, candidates, recording)
+    left_out = _left_out(computes, chosen, measured)
+    cls = type(net).__name__
+    stacks = [candidates[n] for n in chosen]
+    kept = recording.keep([n for n, call in enumerate(recording.calls)
+                           if call.stack in chosen and call.entry == computes[call.stack].entry])
+    for call in kept.calls:
+        call.stack = chosen.index(call.stack)
+    if not chosen:
+        tried = ", ".join(compute.describe(measured) for compute in computes)
+        failure = (f"DeepCache ran {cls} uncached: none of the blocks it found ({tried}) does "
+                   f"{_percent(MIN_COMPUTE_SHARE)} of the model call's compute")
+        return ModelRecord([], None, [], False, [], tried, "", failure), kept
+    cached = ", ".join(computes[n].describe(measured) for n in chosen)
+    try:
+        family, layout, long_skip, streams = learn_family(net, stacks, kept.calls)
+    except LearnFailed as why:
+        failure = f"DeepCache ran {cls} uncached: the blocks it found ({cached}) did not reproduce the model: {why}"
+        return ModelRecord(stacks, None, [], False, [], cached, left_out, failure), kept
+    return ModelRecord(stacks, family, layout, long_skip, streams, cached, left_out), kept
+
+
+def _capture_from_recording(recording: Recording, record: ModelRecord, places: dict[tuple[int, int], BlockPlace],
+                            cache: FeatureCache, chunk_ids: list, step: float) -> bool:
+    """Put in `cache` the residuals a capturing call through the stand-ins would have put, from the copies the
+    recorded call kept; False where it kept too few (every middle block its own segment, as with long skips)."""
+    if record.long_skip:
+        return False
+    number = {(call.stack, call.index): n for n, call in enumerate(recording.calls)}
+    starts, ends, first = {}, {}, None
+    for key, place in places.items():
+        if place.starts:
+            starts[place.segment] = key
+        if place.ends:
+            ends[place.segment] = key
+        if place.resolves_call:
+            first = key
+    first_inputs = recording.inputs.get(number.get(first, -1))
+    if first is None or not first_inputs:
+        return False
+    first_stream = next((first_inputs.get(place) for place in record.streams[first[0]]
+                         if first_inputs.get(place) is not None), None)
+    if first_stream is None:
+        return False
+    signature = chunk_signature(first_stream, len(chunk_ids))
+    residuals = []
+    for segment, start in starts.items():
+        inputs, outputs = recording.inputs.get(number[start]), recording.outputs.get(number[ends[segment]])
+        if inputs is None or outputs is None:
+            return False
+        for k, place in enumerate(record.streams[start[0]]):
+            value = outputs[k] if k < len(outputs) else None
+            if place not in inputs or value is None:
+                return False
+            if inputs[place].shape == value.shape:
+                residuals.append((f"{segment}.stream{k}", value - inputs[place]))
+    for name, residual in residuals:
+        cache.put(chunk_ids, signature, name, residual, step)
+    return True
+
+
 # --- the check and the wrapper -------------------------------------------------------------------------------------
 def _cloned(value):
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors of a model output, in order (a forward may return a tuple: Kandinsky 6's video and audio)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [tensor for part in value for tensor in _tensors(part)]
+    if isinstance(value, dict):
+        return [tensor for part in value.values() for tensor in _tensors(part)]
+    return []
+
+
+def _equal(a, b) -> bool:
+    ta, tb = _tensors(a), _tensors(b)
+    return len(ta) == len(tb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(ta, tb, strict=True))
+
+
+def _rel(a, b) -> float:
+    """The largest relative difference over the outputs' tensors (inf where their structure differs)."""
+    ta, tb = _tensors(a), _tensors(b)
+    if len(ta) != len(tb) or any(x.shape != y.shape for x, y in zip(ta, tb, strict=True)):
+        return float("inf")
+    return max((float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
+                for x, y in zip(ta, tb, strict=True)), default=0.0)
+
+
+def _dtype(value) -> torch.dtype:
+    tensors = _tensors(value)
+    return tensors[0].dtype if tensors else torch.float32
 
 
 def tolerance(dtype: torch.dtype) -> float:
     """What serving captured residuals may change on the same inputs: `x + (y - x)` rounds in the model's dtype."""
     return max(1e-4, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-4
-
-
-@dataclass
-class Learned:
-    family: Family | None = None
-    swap: Callable | None = None
-    failure: str | None = None  # why the model runs uncached
-    note: str = ""  # what the run's summary tells (the blocks found, or the failure)
 
 
 def _tell(note: str) -> None:
@@ -238,15 +381,15 @@ def runs_diffusion_model_wrappers(diffusion_model: torch.nn.Module) -> bool:
 
 
 class DiscoveredBlocks:
-    """DeepCache on a model whose blocks it found: learns and checks on the first call of a run that caches, then
-    swaps the stacks for cached and capturing calls. It works from the DIFFUSION_MODEL wrapper (innermost: other
-    nodes' wrappers see the real model) where the forward runs those, else from an APPLY_MODEL wrapper inside
-    DeepCache's step wrapper."""
+    """DeepCache on a model whose blocks it found: learns and checks on the first call of a run that caches (once
+    per model and input shapes, see the module's text), then swaps the stacks for cached and capturing calls. It
+    works from the DIFFUSION_MODEL wrapper (innermost: other nodes' wrappers see the real model) where the forward
+    runs those, else from an APPLY_MODEL wrapper inside DeepCache's step wrapper."""
 
-    def __init__(self, stacks: list[FoundStack], depth: int) -> None:
-        self.stacks = stacks
+    def __init__(self, candidates: list[FoundStack], depth: int) -> None:
+        self.candidates = candidates
         self.depth = depth
-        self._learned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._learned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # net -> (input shapes, Learned)
 
     def install(self, model) -> None:
         from comfy.patcher_extension import WrappersMP
@@ -262,6 +405,10 @@ class DiscoveredBlocks:
     def apply_model(self, executor, *args, **kwargs):
         return self._run(executor.class_obj.diffusion_model, executor, args, kwargs)
 
+    def learned(self) -> list[Learned]:
+        """What this node's DeepCache learned, one record per diffusion model it ran."""
+        return [learned for _, learned in self._learned.values()]
+
     def _run(self, net: torch.nn.Module, executor, args: tuple, kwargs: dict):
         def call_as_is():
             return executor(*args, **kwargs)
@@ -270,49 +417,69 @@ class DiscoveredBlocks:
             return executor(*[_cloned(a) for a in args], **{k: _cloned(v) for k, v in kwargs.items()})
 
         call = active_call()
-        learned = self._learned.get(net)
+        shapes = _input_shapes(args, kwargs)
+        known = self._learned.get(net)
+        learned = known[1] if known is not None and known[0] == shapes else None
         if learned is None:
-            if call is None or call.mode is Mode.FULL:
-                return call_as_is()
-            return self._learn_and_check(net, fresh_call, call)
+            record = _MODELS.get(net, {}).get(shapes)
+            learned = record.checked.get(self.depth) if record is not None else None
+            if learned is None:
+                if call is None or call.mode is Mode.FULL:
+                    return call_as_is()
+                return self._learn_and_check(net, shapes, record, fresh_call, call)
+            self._learned[net] = (shapes, learned)
         _tell(learned.note)
         if learned.failure is not None:
             return call_as_is()
         return learned.swap(_Executor(call_as_is, net))
 
-    def _learn_and_check(self, net, fresh_call: Callable, call: ModelCall):
-        reference, calls = record_block_calls(net, self.stacks, fresh_call)
+    def _learn_and_check(self, net, shapes: tuple, record: ModelRecord | None, fresh_call: Callable,
+                         call: ModelCall):
+        reference = recording = None
+        if record is None:
+            reference, recording = record_block_calls(net, self.candidates, fresh_call, self.depth)
+            record, recording = _learn_model(net, self.candidates, recording)
+            _MODELS.setdefault(net, {})[shapes] = record
         learned = Learned()
+        cls = type(net).__name__
         try:
-            family, layout, long_skip = learn_family(net, self.stacks, calls)
-            calls.clear()
-            if len(layout) - 2 * self.depth < 1:
-                raise LearnFailed(f"its {len(layout)} blocks leave no middle block at cache_depth {self.depth}")
-            places = middle_places(layout, self.depth, every_block=long_skip)
-            swap = block_swap(family, places)
-            learned.family, learned.swap = family, swap
-            self._check(net, swap, fresh_call, reference, call)
-            learned.note = (f"DeepCache found the blocks of {type(net).__name__}, which it does not know by name: "
-                            f"{describe(self.stacks)}; checked against the uncached model on the first call"
+            if record.failure is not None:
+                raise LearnFailed(record.failure)
+            if len(record.layout) - 2 * self.depth < 1:
+                raise LearnFailed(f"its {len(record.layout)} blocks leave no middle block at cache_depth {self.depth}")
+            places = middle_places(record.layout, self.depth, every_block=record.long_skip)
+            swap = block_swap(record.family, places)
+            learned.family, learned.swap = record.family, swap
+            reference = self._check(net, record, places, swap, fresh_call, reference, recording, call)
+            learned.note = (f"DeepCache found the blocks of {cls}, which it does not know by name, and caches "
+                            f"{record.cached}{record.left_out}; checked against the uncached model on the first call"
                             + ("; a block's output reaches a later block, so every skipped block is served its own"
-                               if long_skip else ""))
+                               if record.long_skip else ""))
             log.info("%s", learned.note)
         except LearnFailed as why:
             learned.family = learned.swap = None
-            learned.failure = learned.note = (
-                f"DeepCache ran {type(net).__name__} uncached: the blocks it found ({describe(self.stacks)}) did not "
-                f"reproduce the model: {why}")
+            text = str(why)
+            learned.failure = learned.note = text if text.startswith("DeepCache ran") else (
+                f"DeepCache ran {cls} uncached: the blocks it found ({record.cached}) did not reproduce the model: "
+                f"{text}")
             log.warning("%s", learned.failure)
+        record.checked[self.depth] = learned
+        self._learned[net] = (shapes, learned)
         _tell(learned.note)
-        self._learned[net] = learned
-        return reference
+        return reference if reference is not None else fresh_call()
 
-    def _check(self, net, swap: Callable, fresh_call: Callable, reference, call: ModelCall) -> None:
+    def _check(self, net, record: ModelRecord, places: dict, swap: Callable, fresh_call: Callable, reference,
+               recording: Recording | None, call: ModelCall):
+        """The output the step gets (the reference, or the capturing call's where none was made) once serving the
+        captured features reproduces the model; LearnFailed otherwise."""
         run = active_run()
         cache = run.cache.fresh() if run is not None else FeatureCache()
         step = run.step if run is not None else 0
+        modes = [Mode.CACHED]
+        if recording is None or not _capture_from_recording(recording, record, places, cache, call.chunk_ids, step):
+            modes.insert(0, Mode.CAPTURE)
         outputs = {}
-        for mode in (Mode.CAPTURE, Mode.CACHED):
+        for mode in modes:
             with scratch_call(mode, call.chunk_ids, cache, step) as check:
                 try:
                     outputs[mode] = swap(_Executor(fresh_call, net))
@@ -323,15 +490,19 @@ class DiscoveredBlocks:
                 raise LearnFailed("the forward never called the blocks DeepCache put in place of them")
             if check.fell_back:
                 raise LearnFailed("the captured features did not serve the same inputs")
-        if not torch.equal(outputs[Mode.CAPTURE], reference):
-            raise LearnFailed("capturing through DeepCache's stand-ins changed the output")
+        if Mode.CAPTURE in outputs:
+            if reference is None:  # a cache_depth checked anew: the capturing call is the step's own
+                reference = outputs[Mode.CAPTURE]
+            elif not _equal(outputs[Mode.CAPTURE], reference):
+                raise LearnFailed("capturing through DeepCache's stand-ins changed the output")
         error = _rel(outputs[Mode.CACHED], reference)
-        if not error <= tolerance(reference.dtype):
+        if not error <= tolerance(_dtype(reference)):
             raise LearnFailed(f"serving the captured features on the same inputs changed the output by {error:.2e} "
-                              f"(relative; at most {tolerance(reference.dtype):.0e} is rounding)")
+                              f"(relative; at most {tolerance(_dtype(reference)):.0e} is rounding)")
         if call.mode is Mode.CAPTURE and run is not None:  # this call's features are captured already
             run.cache.adopt(cache)
             call.blocks_seen = True
+        return reference
 
 
 class _Executor:

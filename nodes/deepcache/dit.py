@@ -139,6 +139,10 @@ class CachedBlock(torch.nn.Module):
         return self.__dict__["block"]
 
     def __getattr__(self, name: str):
+        stack = self.__dict__.get("stack")
+        if stack is not None and stack.method is not None and name == stack.method:
+            method = getattr(self.__dict__["block"], name)
+            return lambda *args, **kwargs: self._serve(method, args, kwargs)
         # the forward may read the block's own attributes (HiDream-O1: `layer.self_attn.comfy_attention`)
         try:
             return super().__getattr__(name)
@@ -146,12 +150,18 @@ class CachedBlock(torch.nn.Module):
             return getattr(self.__dict__["block"], name)
 
     def forward(self, *args, **kwargs):
-        if self.stack.patch is not None:  # DeepCache's block patch decides; this only keeps it out of prefetching
+        if self.stack.patch is not None or self.stack.method is not None:
+            # the block patch decides (this only keeps the block out of prefetching), or the forward enters the
+            # block by a method and this is the block's own forward, called from inside it
             return self.block(*args, **kwargs)
+        return self._serve(self.block, args, kwargs)
+
+    def _serve(self, block: Callable, args: tuple, kwargs: dict):
+        """The block's answer to a call the forward makes (`block`: the module, or the method it enters by)."""
         if self.stack.whole_pass is not None and self.stack.whole_pass(args, kwargs):
             call = active_call()
             if not self.stack.captures_whole_pass or (call is not None and call.mode is Mode.CACHED):
-                return run_whole_block(lambda: self.block(*args, **kwargs))
+                return run_whole_block(lambda: block(*args, **kwargs))
         streams = {}
         for name, (position, keyword) in zip(self.stack.streams, self.stack.arguments, strict=True):
             value = args[position] if len(args) > position else kwargs.get(keyword)
@@ -161,7 +171,7 @@ class CachedBlock(torch.nn.Module):
         extras = [None] * self.stack.extra_outputs
 
         def run_block() -> Streams:
-            out = self.block(*args, **kwargs)
+            out = block(*args, **kwargs)
             values = out if isinstance(out, tuple) else (out,)
             extras[:] = values[count:]
             return dict(zip(self.stack.streams, values[:count], strict=True))

@@ -49,6 +49,9 @@ class BlockStack:
     trailing_rows: bool = False
     extra_outputs: int = 0  # values a block returns after its streams
     prefetched: bool = False  # the forward prefetches the weights of the blocks in its list (ComfyUI 0.38)
+    # the forward enters each block through this method of its class (`layer.forward_generation(x, ...)`), not by
+    # calling the module; the swapped list's stand-ins answer that method
+    method: str | None = None
 
     def blocks(self, diffusion_model):
         return operator.attrgetter(self.attribute)(diffusion_model)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from comfy.patcher_extension import WrappersMP
 
-from ..block_stacks import find_block_stacks
+from ..block_stacks import candidate_stacks
 from ..page import show_on_node
+from .discovery import learned_layout
 from .families import block_layout, family_of
 from .steps import WRAPPER_KEY, current_run
 from .unet import is_unet
@@ -19,8 +20,10 @@ def skipped_blocks(diffusion_model, cache_depth: int) -> tuple[int, int]:
         total += 1 if diffusion_model.middle_block is not None else 0
         return total - 2 * cache_depth, total
     family = family_of(diffusion_model)
-    if family is None:
-        total = sum(stack.blocks for stack in find_block_stacks(diffusion_model))
+    if family is None:  # the stacks discovery caches (every candidate until a call has shown which)
+        layout = learned_layout(diffusion_model)
+        total = len(layout) if layout is not None else sum(
+            stack.blocks for stack in candidate_stacks(diffusion_model))
     else:
         total = len(block_layout(diffusion_model, family))
     return total - 2 * cache_depth, total
@@ -33,7 +36,7 @@ def show_runs_on_node(model, cache_depth: int, node_id: str | None) -> None:
     still in the guider's options, and a later DeepCache node on the same model removes it with the rest."""
     if node_id is None:
         return
-    skipped, total = skipped_blocks(model.get_model_object("diffusion_model"), cache_depth)
+    diffusion_model = model.get_model_object("diffusion_model")
 
     def deepcache_page_summary(executor, *args, **kwargs):
         guider = executor.class_obj
@@ -42,6 +45,7 @@ def show_runs_on_node(model, cache_depth: int, node_id: str | None) -> None:
         finally:
             run = current_run(guider.model_options.get("transformer_options"))
             if run is not None:
+                skipped, total = skipped_blocks(diffusion_model, cache_depth)  # after the run: what it learned
                 show_on_node("\n".join([f"{run.summary(notes=False)}; each cached step skipped {skipped} of {total} "
                                          "blocks", *run.notes]), node_id)
 
