@@ -412,6 +412,9 @@ def _int8_layers(model) -> str:
     return summary[0].removeprefix("summary:").strip() if summary else "-"
 
 
+ROW_PREFIX = "gpu_models row: "
+
+
 class Table:
     """The markdown file, rewritten after every row."""
 
@@ -429,7 +432,7 @@ class Table:
 
     def row(self, cells: list[str]) -> None:
         self.lines.append("| " + " | ".join(cells) + " |")
-        print(self.lines[-1], flush=True)
+        print(f"{ROW_PREFIX}{self.lines[-1]}", flush=True)  # scripts/gpu_run.sh counts these lines
         self.write()
 
     def note(self, text: str) -> None:

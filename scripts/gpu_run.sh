@@ -217,7 +217,7 @@ run_stage() {
   detail="$(grep -E '^=* *([0-9/]+ .* in [0-9.]+s|no tests ran)' "$WORK/stage.log" | tail -n1 | tr -d '=|' | sed 's/^ *//')"
   if [ -z "$detail" ]; then
     local rows
-    rows="$(grep -E '^\| ' "$WORK/stage.log" | grep -v '^| variant |')"
+    rows="$(sed -n 's/^gpu_models row: //p' "$WORK/stage.log")"
     [ -n "$rows" ] && detail="$(printf '%s\n' "$rows" | wc -l) bench row(s), the last: $(printf '%s\n' "$rows" \
       | tail -n1 | cut -d'|' -f2-3 | tr -d '|' | sed 's/^ *//' | cut -c1-120)"
   fi

@@ -106,6 +106,8 @@ def test_the_dry_run_runs_every_stage_of_the_plan_in_order(tmp_path):
     assert ran == STAGES, summary
     results = {cells[0].lstrip("| "): cells[1] for cells in rows}
     assert [results[name] for name in STAGES] == ["ok"] * 5 + ["skipped"] * 4, summary
+    details = {cells[0].lstrip("| "): cells[3] for cells in rows}
+    assert details["bench: Flux, compiled rows"].startswith("2 bench row(s), the last: plain bf16, timed again")
     for name in ("gpu_models_flux.md", "gpu_models_sdxl.md", "gpu_models_rest.md"):
         bench = (tmp_path / "out" / name).read_text()
         assert "| plain bf16, timed again | " in bench, bench
