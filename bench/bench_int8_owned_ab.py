@@ -73,7 +73,10 @@ def main() -> None:
                                    str(args.steps)], env=env, capture_output=True, text=True, check=True)
             line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
             runs[label].append(json.loads(line.removeprefix("RESULT ")))
-    from common import cpu_line, result_name, write_table
+    print("RUNS " + json.dumps(runs))
+    from common import cpu_line, load_pack, result_name, write_table
+
+    load_pack()
 
     rows = []
     for variant in runs["this tree"][0]:
