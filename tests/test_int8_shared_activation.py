@@ -161,6 +161,7 @@ def test_quantize_model_shares_the_self_attention_input_and_samples_the_same_lat
     V), and the latent equals the one sampled with sharing turned off bit for bit."""
     from comfy.ldm.modules.attention import CrossAttention
 
+    from comfyui_int8_accel.nodes.int8 import owned as owned_module
     from comfyui_int8_accel.nodes.int8 import plan as plan_module
     from harness.tiny_models import build_tiny_model, sample
     from tests.support.int8_checks import ALL_INT8
@@ -168,8 +169,9 @@ def test_quantize_model_shares_the_self_attention_input_and_samples_the_same_lat
     monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "0")
 
     def sampled(share: bool) -> tuple[torch.Tensor, int]:
-        if not share:
+        if not share:  # both the per-call copies and the INT8 layers the MODEL owns
             monkeypatch.setattr(plan_module, "assign_shared_inputs", lambda root, replacements: None)
+            monkeypatch.setattr(owned_module, "assign_shared_inputs", lambda root, replacements: None)
         out, _ = quant.apply_int8(build_tiny_model("sd15"), quant.settings_from_widgets(**ALL_INT8))
         attention_calls: list[str] = []
         for name, module in out.model.diffusion_model.named_modules():

@@ -240,22 +240,34 @@ def test_a_decision_from_noisy_timings_is_not_reused_from_disk(comfy_root, quant
     assert budgets[-1] is not budgets[0] and len({id(budget) for budget in budgets[first_calibration:]}) == 1
 
 
-def test_unloading_the_model_drops_its_int8_modules(comfy_root, quant):
+def _int8_in_tree(patcher) -> list:
+    from comfyui_int8_accel.nodes.int8.modules import _Int8Layer
+
+    return [m for m in patcher.model.diffusion_model.modules() if isinstance(m, _Int8Layer)]
+
+
+def test_unloading_the_model_takes_its_int8_layers_out_and_the_next_run_puts_the_same_ones_back(comfy_root, quant):
+    """From the run after calibration the MODEL owns its INT8 layers (object patches): ComfyUI's unload takes them out
+    of the tree (the float layers are back) and the next load puts the same layers in again, not rebuilt."""
     model = build_tiny_model("sd15")
     out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
-    first = sample(out, "sd15", steps=2)
-    plan = plan_of(out)
-    assert plan._modules
+    first = sample(out, "sd15", steps=2)  # calibrates, then swaps the copies in for the rest of the run
+    assert torch.equal(sample(out, "sd15", steps=2), first)  # owned INT8 layers: the same output
+    owned = {id(layer) for layer in _int8_in_tree(out)}
+    assert len(owned) == len(plan_of(out).last_result.chosen) > 0
     out.detach()  # what ComfyUI does when it unloads or frees the model
-    assert plan._modules == {}
-    assert torch.equal(sample(out, "sd15", steps=2), first)  # rebuilt from the live weights on the next run
-    assert plan._modules
+    assert not _int8_in_tree(out)
+    with record_calls() as calls:
+        assert torch.equal(sample(out, "sd15", steps=2), first)
+    assert sum(n for (_, _, path), n in calls.items() if path == "int8") > 0
+    assert {id(layer) for layer in _int8_in_tree(out)} == owned
 
 
-def test_int8_modules_outlive_the_clones_comfyui_drops_between_prompts(comfy_root, quant):
+def test_int8_layers_outlive_the_clones_comfyui_drops_between_prompts(comfy_root, quant):
     model = build_tiny_model("sd15")
     out, _ = quantize(quant, model, conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
-    first = sample(out, "sd15", steps=2)
+    sample(out, "sd15", steps=2)
+    second = sample(out, "sd15", steps=2)
     plan = plan_of(out)
     built = {name: id(module) for name, module in plan._modules.items()}
     assert built
@@ -264,7 +276,7 @@ def test_int8_modules_outlive_the_clones_comfyui_drops_between_prompts(comfy_roo
     gc.collect()
     out.detach(unpatch_all=False)  # ... and when another clone of the same model replaces it in memory
     with record_calls() as calls:
-        assert torch.equal(sample(out, "sd15", steps=2), first)
+        assert torch.equal(sample(out, "sd15", steps=2), second)
     assert sum(n for (_, _, path), n in calls.items() if path == "int8") > 0  # the kept modules ran in INT8
     assert {name: id(module) for name, module in plan._modules.items()} == built  # not rebuilt for the next prompt
 
@@ -305,6 +317,7 @@ def test_lora_and_int8_sequences_never_leak(comfy_root, quant):
     def run(model):
         return sample(model, "sd15", steps=2)
 
+    run(int8), run(int8_lora)  # each calibrates on its first run; from the next on the MODEL owns its INT8 layers
     first = {"base": run(base), "lora": run(with_lora), "int8": run(int8), "int8_lora": run(int8_lora)}
     assert not torch.equal(first["base"], first["lora"])
     for sequence in (["lora", "int8", "lora", "int8", "base"], ["int8", "base", "int8", "int8_lora", "base"]):
@@ -322,7 +335,9 @@ def test_lora_before_or_after_the_node_matches_float_lora(comfy_root, quant, wei
     settings = dict(conv_mse_threshold=1.0, linear_mse_threshold=1.0, compute_density_threshold=0)
     int8_alone = quantize(quant, base, **settings)[0]
     int8_error = relative_error(sample(int8_alone, "sd15", steps=3), float_plain)  # INT8's own error, this width
-    before = sample(quantize(quant, apply_lora(base, lora), **settings)[0], "sd15", steps=3)
+    lora_first = quantize(quant, apply_lora(base, lora), **settings)[0]
+    sample(lora_first, "sd15", steps=1)  # calibrates; the MODEL owns its INT8 layers from the next run on
+    before = sample(lora_first, "sd15", steps=3)
     after = sample(apply_lora(int8_alone, lora), "sd15", steps=3)
     assert torch.allclose(before, after, rtol=1e-4, atol=1e-4)  # where the LoRA comes in does not matter
     for result in (before, after):

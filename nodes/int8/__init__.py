@@ -11,7 +11,8 @@ import torch
 from ...kernels import forced_kernel_backend, kernel_backend_for
 from .core_layers import core_layers_left
 from .core_save import install_core_save
-from .plan import WRAPPER_KEY, Int8Plan, find_candidates, unwrap_compiled
+from .owned import float_candidates
+from .plan import WRAPPER_KEY, Int8Plan, unwrap_compiled
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
 
 log = logging.getLogger("int8_accel.int8")
@@ -39,7 +40,7 @@ def apply_int8(model, settings: QuantizeSettings, node_id: str | None = None):
                f"slower than float); the model is returned unchanged.")
         log.warning("int8-accel: %s", why)
         return model, why
-    candidates = find_candidates(unwrap_compiled(diffusion_model))
+    candidates = float_candidates(model)
     if not any(settings.kind_enabled(kind) for _, kind in candidates.values()):
         left = core_layers_left(unwrap_compiled(diffusion_model))
         why = ("no Linear or Conv2d layer the INT8 path supports" if not candidates else

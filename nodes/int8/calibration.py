@@ -225,15 +225,11 @@ def _digest_patch(hasher, obj, depth: int = 0) -> None:
         hasher.update(type(obj).__name__.encode())
 
 
-def model_fingerprint(patcher, weight_keys: list[str]) -> str:
-    """Fingerprint of the weights `patcher` will run with: the original (unpatched) values of `weight_keys`,
+def model_fingerprint(patcher, weights: list[tuple[str, torch.Tensor]]) -> str:
+    """Fingerprint of the weights `patcher` will run with: `weights`, (state-dict key, original tensor) pairs,
     sampled, plus every weight patch (LoRA) it carries. Cheap enough to compute per sampling run."""
-    import comfy.utils
-
     hasher = hashlib.sha256()
-    for key in weight_keys:
-        backup = patcher.backup.get(key)
-        tensor = backup.weight if backup is not None else comfy.utils.get_attr(patcher.model, key)
+    for key, tensor in weights:
         hasher.update(key.encode())
         hasher.update(_tensor_digest(tensor))
     for key in sorted(patcher.patches):

@@ -4,7 +4,7 @@ ComfyUI 0.38's `ModelPatcher.model_state_dict_for_saving` wraps every weight of 
 did not patch in place (every layer under dynamic VRAM, which never does) in `LazyCastingParam`, a
 `torch.nn.Parameter` that requires grad: an int8 weight cannot be one ("Only Tensors of floating point and complex
 dtype can require gradients"), so the save raised on any model with INT8 layers. `install_core_save()` wraps that
-method (where ComfyUI has it): core builds its dict with the INT8 layers passed through as they are, then each
+method (where ComfyUI has it): core builds its dict with the INT8 layers out of its walk, then each
 INT8 layer is written in ComfyUI's INT8 format (`checkpoint.layer_tensors`: int8 weight, float32 scale,
 `comfy_quant`; Conv2d in the `conv2d_rows` layout), with its LoRA / weight patches merged and requantized per
 channel as ModelPatcher merges them (`patch_weight_to_device(..., return_weight=True)`), the bias through core's
@@ -20,10 +20,10 @@ import torch
 
 from ...kernels import quantize_weight_per_channel
 from .checkpoint import layer_tensors
+from .layout import swapped_modules
 from .modules import _Int8Layer
 
 _WRAPPED = "_int8_accel_core_save"
-_ABSENT = object()
 
 
 def _int8_entries(patcher, layer: _Int8Layer, key: str, patched: bool) -> dict[str, torch.Tensor]:
@@ -46,22 +46,15 @@ def _for_saving(original):
         layers = {name: module for name, module in root.named_modules() if isinstance(module, _Int8Layer)}
         if not layers:
             return original(self, model, prefix)
-        before = {name: module.__dict__.get("comfy_patched_weights", _ABSENT) for name, module in layers.items()}
-        try:
-            for module in layers.values():
-                module.comfy_patched_weights = True  # core passes these layers' tensors through as they are
+        patched = {name: module.__dict__.get("comfy_patched_weights") is True for name, module in layers.items()}
+        # Core's own walk over the rest of the model; the INT8 layers, which it would wrap as float, are written below.
+        with swapped_modules(root, {name: torch.nn.Module() for name in layers}):
             sd = original(self, model, prefix)
-        finally:
-            for name, module in layers.items():
-                if before[name] is _ABSENT:
-                    module.__dict__.pop("comfy_patched_weights", None)
-                else:
-                    module.comfy_patched_weights = before[name]
         with torch.no_grad():
             for name, layer in layers.items():
                 for suffix in ("weight", "weight_scale", "bias", "comfy_quant"):
                     sd.pop(f"{name}.{suffix}", None)
-                for suffix, value in _int8_entries(self, layer, prefix + name, before[name] is True).items():
+                for suffix, value in _int8_entries(self, layer, prefix + name, patched[name]).items():
                     sd[f"{name}.{suffix}"] = value
         return sd
 

@@ -32,16 +32,13 @@ from ...kernels import weight_qmax
 from ..comfy_contracts import loader_accepts_disable_dynamic, set_cached_patcher_init
 from ..layers import layer_kind
 from .checkpoint import int8_layer_names, legacy_conv_layers, read_int8_layer, restore_conv_shapes
-from .modules import Int8Conv2d, Int8Linear, _Int8Layer, refresh_int8_weights
+from .modules import Int8Conv2d, Int8Linear, _Int8Layer, refresh_after_weight_writes
 from .plan import int8_module_bytes
 
 log = logging.getLogger("int8_accel.int8")
 _SIDE_KEYS = ("weight_scale", "comfy_quant")  # what an INT8 layer has beyond a float layer's weight and bias
 _LAYER_KEYS = ("weight", "bias", *_SIDE_KEYS)
 CALLBACK_KEY = "int8_accel_resident"
-# Where ComfyUI may have rewritten weights in place (`.data.copy_()`): after loading (patches, restores), before
-# each sampling run (hook backups restored at the last cleanup) and after applying hooks.
-_WEIGHT_WRITE_CALLBACKS = ("ON_LOAD", "ON_PRE_RUN", "ON_APPLY_HOOKS")
 
 
 def _placeholder(shape, device, dtype) -> torch.nn.Parameter:
@@ -210,10 +207,6 @@ def _honour_manual_cast(base_model) -> None:
             module.comfy_cast_weights = True
 
 
-def _refresh_after_weight_writes(patcher, *args, **kwargs) -> None:
-    refresh_int8_weights(patcher.model.diffusion_model)
-
-
 def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
                          model_options: dict | None = None, disable_dynamic: bool = False):
     """A ModelPatcher for a diffusion-model state dict in ComfyUI's INT8 format (plain float files load too).
@@ -250,9 +243,7 @@ def load_int8_state_dict(sd: dict[str, torch.Tensor], metadata: Mapping[str, str
         raise ValueError(f"{len(failed)} INT8 entries of the file are not Linear/Conv2d layers of this model, so "
                          f"they cannot run in INT8: {sorted(failed)[:5]}")
     _honour_manual_cast(patcher.model)
-    for name in _WEIGHT_WRITE_CALLBACKS:
-        patcher.add_callback_with_key(getattr(comfy.patcher_extension.CallbacksMP, name), CALLBACK_KEY,
-                                      _refresh_after_weight_writes)
+    refresh_after_weight_writes(patcher, CALLBACK_KEY)
     log.info("int8-accel: %s", resident_memory_line(patcher))
     return patcher
 

@@ -334,6 +334,23 @@ def refresh_int8_weights(root: torch.nn.Module) -> None:
             module.prepare()  # a weight moved to another device since has no derived forms there yet
 
 
+# Where ComfyUI may have rewritten weights in place (`.data.copy_()`): after loading (patches, restores), before
+# each sampling run (hook backups restored at the last cleanup) and after applying hooks.
+_WEIGHT_WRITE_CALLBACKS = ("ON_LOAD", "ON_PRE_RUN", "ON_APPLY_HOOKS")
+
+
+def refresh_after_weight_writes(patcher, key: str) -> None:
+    """Have `patcher` (and its clones) refresh its INT8 layers' derived forms wherever ComfyUI may have written or
+    moved their weights."""
+    import comfy.patcher_extension
+
+    def refresh(patcher, *args, **kwargs) -> None:
+        refresh_int8_weights(patcher.model.diffusion_model)
+
+    for name in _WEIGHT_WRITE_CALLBACKS:
+        patcher.add_callback_with_key(getattr(comfy.patcher_extension.CallbacksMP, name), key, refresh)
+
+
 def int8_layer_like(module: torch.nn.Module, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
                     qmax: int | None = None) -> Int8Linear | Int8Conv2d:
     """The INT8 layer of float layer `module`'s kind ('linear' / 'conv') and geometry holding `weight` / `bias`

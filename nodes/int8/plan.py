@@ -1,20 +1,18 @@
 """The shared INT8 core: turns a ModelPatcher into one whose Linear/Conv2d layers run in INT8 where that
 is accurate and worth it, decided by calibration on the first sampling call's real inputs.
 
-How the layers get in: the clone carries two wrappers. OUTER_SAMPLE fingerprints the weights and LoRA
-patches the run will use. APPLY_MODEL, on the first call for a (fingerprint, settings, latent shape),
-runs one float forward in which every candidate layer also computes its INT8 output on the same input
-and measures its error; the decision is cached in memory and on disk. On every later call the chosen
-INT8 modules are swapped into the diffusion model for the duration of that call only, and the float
-modules are put back in `finally`. ModelPatcher never sees the INT8 modules, so its weight patching and
-backups keep acting on the real float layers: the shared base model cannot be corrupted, and
-LoRA before or after the node is honoured because INT8 weights are built from the live patched weights,
-again whenever the weight patches change.
+The clone carries two wrappers. OUTER_SAMPLE fingerprints the original weights and the LoRA patches the run will
+use and, before ComfyUI loads the model, looks the decision up (in memory, then on disk) for that fingerprint, the
+settings and the latent shape: when there is one, the chosen layers become INT8 layers the MODEL owns, object
+patches of its patcher (owned.py) that ComfyUI loads, counts, offloads and LoRA-patches as its own. APPLY_MODEL, on
+the first call of a key without a decision, runs one float forward in which every candidate layer also computes
+its INT8 output on the same input and measures its error; the decision is cached in memory and on disk. The rest of
+that first run (and runs that cannot own their layers, `why_not_owned`) swap INT8 copies built from the live
+weights into the model for each call; from the next run on, the MODEL owns them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -37,7 +35,7 @@ from ...kernels import (
     weight_qmax,
 )
 from ...kernels.ops import traces_linear_quantizer
-from ..comfy_contracts import bypass_hook, follow_bypass, restorable_backup
+from ..comfy_contracts import bypass_hook, follow_bypass
 from ..cuda_graph_replay import fuses_linear_quantizer, replays_cuda_graphs
 from ..page import show_image_on_node, show_on_node
 from ..wrapper_args import wrapper_arg
@@ -59,28 +57,21 @@ from .calibration import (
 )
 from .core_layers import core_layer_source, core_layers_left, core_linear_format
 from .environment import speed_gate_enabled
-from .float_offload import (
-    can_hold_off,
-    float_placement,
-    hold_off,
-    holds_floats_off,
-    install_load,
-    is_held_off,
-    is_loaded,
-)
-from .layout import CandidateCache, find_candidates, module_at, swapped_modules
+from .layout import CandidateCache, module_at, swapped_modules
 from .layout import canonical_name as canonical_name  # where the save node and tests import it from
-from .modules import Int8Conv2d, Int8Linear
+from .layout import find_candidates as find_candidates  # where tests import it from
+from .modules import Int8Conv2d, Int8Linear, refresh_after_weight_writes
+from .owned import (
+    build_owned_layer,
+    float_candidates,
+    float_layer,
+    float_parameters,
+    set_owned_layers,
+    size_by_its_layers,
+    tree_holds,
+)
 from .picture import decision_picture
 from .report import format_report, summary_line
-from .residency import (
-    Int8CopyMarker,
-    drop_orphaned_markers,
-    float_model_size,
-    int8_copy_bytes,
-    is_on,
-    marker_of,
-)
 from .settings import QuantizeSettings
 from .shared_inputs import assign_shared_inputs
 from .speed import (
@@ -109,46 +100,40 @@ def parameter_bytes(root: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in root.parameters())
 
 
-def layer_weight_bytes(root: torch.nn.Module, result: CalibrationResult) -> dict[str, int]:
-    """{layer name: bytes of its float weight} for the layers of `result` that `root` has."""
-    candidates = find_candidates(root)
+def float_weight_bytes(patcher) -> dict[str, int]:
+    """{layer name: bytes of its float weight} for every candidate layer of `patcher`'s model."""
     out = {}
-    for layer in result.layers:
-        if layer.name in candidates:
-            weight = module_at(root, candidates[layer.name][0]).weight
-            out[layer.name] = weight.numel() * weight.element_size()
+    for name, (path, _) in float_candidates(patcher).items():
+        weight = float_layer(patcher, path).weight
+        out[name] = weight.numel() * weight.element_size()
     return out
 
 
 class ModelCopies:
-    """The INT8 copies built from one model's float layers. One model has one set; under ComfyUI 0.38's MultiGPU
-    every device computes with its own deep clone of the model (`deepclone_multigpu`), from its own thread, so
-    each of those models has its own set, built once on its device and never touched by another thread."""
+    """The INT8 copies one model's calls swap in where its MODEL does not own its INT8 layers (see `Int8Plan`). Under
+    ComfyUI 0.38's MultiGPU every device computes with its own deep clone of the model, from its own thread, so each
+    of those models has its own set, built once on its device and never touched by another thread."""
 
     def __init__(self) -> None:
         self.modules: dict[str, torch.nn.Module] = {}
         self.state: tuple | None = None
-        self.markers: dict[str, Int8CopyMarker] = {}
-        self.float_size: int | None = None
-        # ((layer names, floats held off), their INT8 copies' bytes, their float layers' bytes held in system memory)
-        self.int8_size: tuple | None = None
-        self.last_swap: tuple | None = None  # ((names, device, bypass), {path: copy}, [(name, copy)]) of the last call
-        # The model's ModelPatcher.backup (shared by its clones) where its patcher frees memory by restoring it
-        # (dynamic VRAM), else None.
-        self.backup: dict | None = None
-        self.holding_floats = False  # some chosen float layer was put in system memory (float_offload.py)
+        self.last_swap: tuple | None = None  # ((names, device, bypass), {path: copy}) of the last call
 
-    def release(self, name: str) -> int:
-        """Drop the INT8 copy of layer `name` (ComfyUI moved its float layer); rebuilt on its next call."""
+    def release(self, name: str) -> None:
         module = self.modules.pop(name, None)
-        if module is None:
-            return 0
-        release_packed_weight(module.weight)
-        return int8_module_bytes(module)
+        if module is not None:
+            release_packed_weight(module.weight)
 
     def release_all(self) -> None:
-        for name in list(self.modules):
-            self.release(name)
+        for module in self.modules.values():
+            release_packed_weight(module.weight)
+        self.modules, self.last_swap = {}, None
+
+
+def _on(tensor: torch.Tensor, device: torch.device | str) -> bool:
+    """Whether `tensor` is on `device`; a device without an index ("cuda") means any of its type."""
+    device = torch.device(device)
+    return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
 
 
 def in_multigpu_call(transformer_options: dict | None) -> bool:
@@ -157,9 +142,24 @@ def in_multigpu_call(transformer_options: dict | None) -> bool:
     return bool(transformer_options) and transformer_options.get("multigpu_thread_device") is not None
 
 
+def why_not_owned(patcher, model_options: dict | None) -> str:
+    """Why a run of `patcher` swaps INT8 copies in per call instead of owning its INT8 layers ("" when it owns them):
+    MultiGPU's device clones would share one object patch between devices; a bypass-mode LoRA hooks the float
+    layers themselves."""
+    if model_options and "multigpu_clones" in model_options:
+        return "MultiGPU device clones"
+    if getattr(patcher, "injections", None):
+        return "bypass-mode LoRA"
+    return ""
+
+
 class Int8Plan:
     """Per-node state shared by the clone and everything cloned from it (MultiGPU's device clones included: their
-    wrappers are this plan's bound methods). Calibration results are shared; INT8 copies are per model."""
+    wrappers are this plan's bound methods). Calibration results are shared; INT8 layers are per model.
+
+    A run whose decision is known before ComfyUI loads the model (OUTER_SAMPLE) owns its INT8 layers: they are
+    object patches of its patcher (owned.py). The run that calibrates, and the runs `why_not_owned` names, swap INT8
+    copies into the model for each call instead (not counted by ComfyUI: the float layers stay loaded beside them)."""
 
     def __init__(self, settings: QuantizeSettings, node_id: str | None = None) -> None:
         self.settings = settings
@@ -170,25 +170,27 @@ class Int8Plan:
         self.last_report = ""
         self.last_result: CalibrationResult | None = None
         self.shown_result: CalibrationResult | None = None  # the calibration the node's report output describes
+        self.not_owned_because = ""  # why the last run swapped copies in per call ("" when it owned its layers)
         self._run_fingerprint: str | None = None
         self._fingerprints: dict[tuple, str] = {}
         self._bypass_fingerprint_of: tuple[str, list] | None = None  # (fingerprint, weakrefs to its owners)
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> ModelCopies
-        self._last_copies = ModelCopies()  # those of the model that ran last (what `_modules` shows)
+        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> {name: INT8 layer}
+        self._installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> (key, {path: layer})
+        self._last_ran: dict[str, torch.nn.Module] = {}
         self._calibration_lock = threading.Lock()  # one calibration per key, whichever device's thread comes first
         self._candidates = CandidateCache()
-        self._deferred_loads: set[int] = set()  # models whose load runs with held-off layers taken out
+        self._weight_bytes: dict[str, int] = {}  # {layer name: bytes of its float weight}
 
     @property
     def _modules(self) -> dict[str, torch.nn.Module]:
-        """The INT8 copies of the model that ran last."""
-        return self._last_copies.modules
+        """{layer name: INT8 layer} of the model call that ran last."""
+        return self._last_ran
 
     def copies_of(self, base_model) -> ModelCopies:
         copies = self._copies.get(base_model)
         if copies is None:
             copies = self._copies[base_model] = ModelCopies()
-        self._last_copies = copies
         return copies
 
     def _drop_other_models(self, base_model) -> None:
@@ -202,61 +204,26 @@ class Int8Plan:
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, self.outer_sample)
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY, self.apply_model)
         patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, WRAPPER_KEY, self.on_detach)
-        patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_LOAD, WRAPPER_KEY, self.on_load)
-        patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_CLONE, WRAPPER_KEY, self.on_clone)
-        install_load(patcher)
-
-    @staticmethod
-    def on_clone(patcher, clone) -> None:
-        install_load(clone)  # a clone (LoRA, another node) loads as this MODEL does
-
-    def layers_to_hold_off(self, patcher, device_to) -> dict[str, tuple[str, torch.nn.Module]]:
-        """{name: (path, float layer)} of the layers a load of `patcher` onto `device_to` leaves in system memory:
-        those the plan's last calibration put in INT8 (none before the first), where ComfyUI can cast them."""
-        result = self.last_result or self.shown_result
-        if result is None or device_to is None or not holds_floats_off(patcher, device_to):
-            return {}
-        root = patcher.model.diffusion_model
-        candidates = self._candidates.get(root)
-        held = {}
-        for name in result.chosen:
-            if name in candidates:
-                module = module_at(root, candidates[name][0])
-                if can_hold_off(module):
-                    held[name] = (candidates[name][0], module)
-        return held
-
-    @contextlib.contextmanager
-    def deferring_on_load(self, patcher):
-        """ComfyUI's load runs with the held-off layers taken out: the plan's ON_LOAD waits until they are back."""
-        self._deferred_loads.add(id(patcher.model))
-        try:
-            yield
-        finally:
-            self._deferred_loads.discard(id(patcher.model))
+        refresh_after_weight_writes(patcher, WRAPPER_KEY)
+        self._weight_bytes = float_weight_bytes(patcher)
+        size_by_its_layers(patcher, patcher.model_size())
 
     def on_detach(self, patcher, unpatch_all: bool = True) -> None:
-        """ComfyUI unloaded the model: drop its INT8 modules too (rebuilt from the live weights when it runs).
+        """ComfyUI unloaded the model: drop the per-call copies (rebuilt from the live weights when needed). The INT8
+        layers the MODEL owns stay its object patches: ComfyUI moved them off the device with the model.
 
         Detaching without unpatching is not an unload: ComfyUI does it whenever a clone of this MODEL is garbage
-        collected (`ModelPatcher.__del__`) or replaced by another clone of the same model, which happens on every
-        prompt; the weights stay as they are, so the INT8 modules built from them stay valid."""
+        collected (`ModelPatcher.__del__`) or replaced by another clone of the same model."""
         if not unpatch_all:
             return
-        copies = self.copies_of(patcher.model)
-        for module in copies.modules.values():
-            release_packed_weight(module.weight)
-        for marker in copies.markers.values():  # unpatch_model zeroed the model's loaded memory
-            marker.forget()
-        copies.modules, copies.state, copies.int8_size, copies.last_swap = {}, None, None, None
+        self.copies_of(patcher.model).release_all()
+        self._last_ran = {}
         self._candidates.forget()  # the unpatch restored ComfyUI's object patches, which may replace modules
 
     def fingerprint(self, patcher) -> str:
         state = (id(patcher.model), patcher.patches_uuid)
         if state not in self._fingerprints:
-            dm = unwrap_compiled(patcher.model.diffusion_model)
-            keys = [f"diffusion_model.{name}" for name, _ in dm.named_parameters()]
-            self._fingerprints = {state: model_fingerprint(patcher, keys)}
+            self._fingerprints = {state: model_fingerprint(patcher, float_parameters(patcher))}
         return self._fingerprints[state]
 
     def _bypass_fingerprint(self, base_model) -> str:
@@ -280,46 +247,89 @@ class Int8Plan:
     def node_report(self, patcher, candidates: dict[str, tuple[str, str]]) -> str:
         self.shown_result = load_last_result(self.fingerprint(patcher), self.settings)
         if self.shown_result is not None:
-            root = patcher.model.diffusion_model
-            return format_report(self.shown_result, self.settings, layer_weight_bytes(root, self.shown_result),
-                                 from_cache=True, float_placement=float_placement(patcher))
+            return format_report(self.shown_result, self.settings, self._layer_weight_bytes(self.shown_result),
+                                 from_cache=True, float_placement=self.float_placement())
         kinds = {kind: sum(1 for _, k in candidates.values() if k == kind) for kind in ("linear", "conv")}
         return (f"INT8 calibration pending: it runs on the first sampling step with the real inputs "
                 f"({kinds['linear']} Linear and {kinds['conv']} Conv2d candidates). Its summary shows on the "
                 f"Quantize node then; queue the prompt again to see the full report and the decision picture.")
 
+    def _layer_weight_bytes(self, result: CalibrationResult) -> dict[str, int]:
+        return {layer.name: self._weight_bytes[layer.name] for layer in result.layers if layer.name in self._weight_bytes}
+
+    def float_placement(self) -> str:
+        """Where the float weights of the INT8 layers are, said for the report: "" when out of the model ComfyUI
+        loads (the MODEL owns its INT8 layers), else why they stay loaded beside per-call INT8 copies."""
+        if self.not_owned_because:
+            return f"float weights stay loaded beside per-call INT8 copies: {self.not_owned_because}"
+        return ""
+
     # --- wrappers ----------------------------------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):
+        """Before ComfyUI loads the model (CFGGuider.outer_sample runs prepare_sampling inside this wrapper): a run
+        whose decision is known owns its INT8 layers as object patches; one that calibrates loads the float model."""
         guider = executor.class_obj
-        if self.last_result is not None:  # before ComfyUI loads the model: plan the load with the INT8 copies
-            self._report_size(guider.model_patcher, self.last_result.chosen)
-        # Dynamic VRAM's load starts by restoring every backup entry, which would release the copies this run is
-        # about to use: until the load (on_load) or their next call counts them again, they are not counted.
-        for model, copies in list(self._copies.items()):
-            if copies.backup is not None:
-                self._uncount(model, copies.markers.values())
-                copies.last_swap = None
+        patcher = guider.model_patcher
         previous = self._run_fingerprint
-        self._run_fingerprint = self.fingerprint(guider.model_patcher)
+        self._run_fingerprint = self.fingerprint(patcher)
+        noise = wrapper_arg(args, kwargs, 0, "noise")
+        self._own_layers(patcher, getattr(guider, "model_options", None), noise)
         try:
             return executor(*args, **kwargs)
         finally:
             self._run_fingerprint = previous
 
+    def _own_layers(self, patcher, model_options: dict | None, noise: torch.Tensor) -> None:
+        self.not_owned_because = why_not_owned(patcher, model_options)
+        result, key = None, None
+        if not self.not_owned_because and isinstance(noise, torch.Tensor):
+            like = torch.empty((0, *noise.shape[1:]), dtype=noise.dtype, device=patcher.load_device)
+            options = (model_options or {}).get("transformer_options")
+            graph_timing = cuda_graph_timing_for(like.device, replays_cuda_graphs(options))
+            fused = graph_timing and fuses_linear_quantizer(options) and traces_linear_quantizer(like.device)
+            fingerprint = self.fingerprint(patcher)
+            key = calibration_key(fingerprint, self.settings, like, graph_timing, fused)
+            result = self._known_result(key, patcher.model, fingerprint)
+        layers = {} if result is None else self._owned_layers(patcher, result.chosen)
+        if set_owned_layers(patcher, layers):
+            self._candidates.forget()
+        self._installed[patcher.model] = (key, layers)
+
+    def _owned_layers(self, patcher, names: list[str]) -> dict[str, torch.nn.Module]:
+        """{module path: INT8 layer} for `names`, built once per model from its original weights."""
+        built = self._owned.setdefault(patcher.model, {})
+        candidates = float_candidates(patcher)
+        qmax = weight_qmax(torch.device(patcher.load_device))
+        layers = {}
+        for name in names:
+            if name not in candidates:
+                continue
+            path, kind = candidates[name]
+            layer = built.get(name)
+            if layer is None or layer.qmax != qmax:
+                layer = built[name] = self._owned_layer(patcher, path, kind)
+            layers[path] = layer
+        return layers
+
+    @staticmethod
+    def _owned_layer(patcher, path: str, kind: str) -> torch.nn.Module:
+        return build_owned_layer(patcher, path, kind)
+
     def apply_model(self, executor, *args, **kwargs):
         base_model = executor.class_obj
         x = wrapper_arg(args, kwargs, 0, "x")
-        if not in_multigpu_call(wrapper_arg(args, kwargs, 5, "transformer_options", None)):
+        options = wrapper_arg(args, kwargs, 5, "transformer_options", None)
+        if not in_multigpu_call(options):
             self._drop_other_models(base_model)
-        patcher = getattr(base_model, "current_patcher", None)
-        if patcher is not None:
-            self.copies_of(base_model).backup = restorable_backup(patcher)
         fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
         bypass = self._bypass_fingerprint(base_model)
-        options = wrapper_arg(args, kwargs, 5, "transformer_options", None)
         graph_timing = cuda_graph_timing_for(x.device, replays_cuda_graphs(options))
         fused_quantizer = graph_timing and fuses_linear_quantizer(options) and traces_linear_quantizer(x.device)
         key = calibration_key(fingerprint + bypass, self.settings, x, graph_timing, fused_quantizer)
+        installed_key, owned = self._installed.get(base_model, (None, {}))
+        if installed_key == key and tree_holds(base_model, owned):
+            self._last_ran = self._ran(owned)
+            return executor(*args, **kwargs)
         result = self._known_result(key, base_model, fingerprint)
         if result is None:
             with self._calibration_lock:  # MultiGPU: another device's thread may be calibrating this key now
@@ -327,10 +337,13 @@ class Int8Plan:
                 if result is None:
                     return self._calibrate(executor, base_model, args, kwargs, key, fingerprint, graph_timing,
                                            fused_quantizer)
-        self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
         replacements = self._int8_modules(base_model, result.chosen, x.device, bypass)
         with swapped_modules(base_model.diffusion_model, replacements):
             return executor(*args, **kwargs)
+
+    @staticmethod
+    def _ran(layers: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
+        return {canonical_name(path): layer for path, layer in layers.items()}
 
     def _known_result(self, key: str, base_model, fingerprint: str) -> CalibrationResult | None:
         result = self.results.get(key)
@@ -344,25 +357,20 @@ class Int8Plan:
                 self._publish(result, base_model, fingerprint, save=False)
         return result
 
-    # --- INT8 modules, rebuilt whenever the live weights change ----------------------------------------
+    # --- per-call INT8 copies, rebuilt whenever the live weights change ----------------------------------
     def _int8_modules(self, base_model, names: list[str], device: torch.device,
                       bypass: str = "") -> dict[str, torch.nn.Module]:
-        """{module path: INT8 copy} of the chosen layers, built where missing for computing on `device`, each
-        tied to its float layer so that ComfyUI counts it and frees it with that layer (see residency.py) and
-        following the bypass-mode LoRA it has (`bypass`: its fingerprint)."""
+        """{module path: INT8 copy} of the chosen layers, built from the live weights where missing for computing on
+        `device`, following the bypass-mode LoRA the float layer has (`bypass`: its fingerprint)."""
         root = self._fresh_module_cache(base_model)
         copies = self.copies_of(base_model)
         request = (tuple(names), device, bypass)
-        patcher = getattr(base_model, "current_patcher", None)
-        hold = holds_floats_off(patcher, device)
         last = copies.last_swap
-        # a load by a MODEL without INT8 (model_lowvram off) may have put held float layers back on the device
-        floats_reloaded = copies.holding_floats and not base_model.model_lowvram
-        if last is not None and last[0] == request and not floats_reloaded \
-                and all(copies.modules.get(name) is layer for name, layer in last[2]):
-            return last[1]  # the same copies as the previous call, already placed and tracked
+        if last is not None and last[0] == request:
+            self._last_ran = self._ran(last[1])
+            return last[1]  # the same copies as the previous call
         candidates = self._candidates.get(root)
-        out, placed = {}, []
+        out = {}
         for name in names:
             if name not in candidates:
                 continue
@@ -372,130 +380,26 @@ class Int8Plan:
             except AttributeError:  # replaced since the walk, though no load or detach said so: walk again
                 self._candidates.forget(root)
                 return self._int8_modules(base_model, names, device, bypass)
-            layer = self._placed_copy(copies, name, device)
-            if layer is None:
+            layer = copies.modules.get(name)
+            if layer is None or not _on(layer.weight, device):
                 layer = copies.modules[name] = self._copy_for_device(float_module, kind, device)
-            if hold:
-                self._hold_off(patcher, copies, name, float_module)
-            self._track(base_model, copies, name, float_module, layer)
             follow_bypass(float_module, layer)
             out[path] = layer
-            placed.append((name, layer))
         assign_shared_inputs(root, out)
-        copies.last_swap = (request, out, placed)
+        copies.last_swap = (request, out)
+        self._last_ran = self._ran(out)
         return out
-
-    @staticmethod
-    def _hold_off(patcher, copies: ModelCopies, name: str, float_module: torch.nn.Module) -> None:
-        """Float layer `name`, whose INT8 copy runs, leaves the computing device if ComfyUI loaded it there."""
-        if can_hold_off(float_module) and (is_loaded(float_module) or not is_held_off(float_module)):
-            patcher.model.model_loaded_weight_memory -= hold_off(patcher, name, float_module)
-            copies.holding_floats = True
-
-    @staticmethod
-    def _placed_copy(copies: ModelCopies, name: str, device: torch.device | None):
-        """The INT8 copy of `name` if it is on the computing `device` (else None: it is built there)."""
-        layer = copies.modules.get(name)
-        if layer is not None and device is not None and not is_on(layer.weight, device):
-            copies.release(name)
-            return None
-        return layer
 
     def _copy_for_device(self, float_module: torch.nn.Module, kind: str, device: torch.device) -> torch.nn.Module:
         """The INT8 copy of a float layer, with the weight width of the kernel backend that computes on `device`, kept
-        on `device` even when ComfyUI keeps the float layer offloaded: derived forms (padded rows, column sums) are
-        then built once, for a copy that stays, instead of per call from a temporary transfer. Quantized on `device`
-        (a float weight in system memory moves there first, one layer at a time)."""
+        on `device` (quantized there: a float weight in system memory moves there first, one layer at a time)."""
         layer = self._quantize_layer(float_module, kind, weight_qmax(device), device)
-        if not is_on(layer.weight, device):
+        if layer.weight.device != torch.device(device):
             layer = layer.to(device, non_blocking=comfy.model_management.device_supports_non_blocking(device))
         return layer
 
-    def on_load(self, patcher, device_to, lowvram_model_memory, force_patch_weights, full_load,
-                whole_size_counted: bool | None = None) -> None:
-        """ComfyUI (re)loaded the model: its count holds the float weights only, and the load rewrote every layer's
-        function lists; count the INT8 copies that stay, where they stay, and tie them to their layers again.
-        `whole_size_counted`: ComfyUI counted `model_size()` as loaded (a full load; default: read off the model)."""
-        base_model = patcher.model
-        if id(base_model) in self._deferred_loads:
-            return
-        copies = self.copies_of(base_model)
-        copies.backup = restorable_backup(patcher)
-        if whole_size_counted is None:
-            whole_size_counted = full_load and not base_model.model_lowvram
-        root = self._fresh_module_cache(base_model)
-        self._candidates.forget()  # the load applied ComfyUI's object patches, which may replace modules
-        candidates = self._candidates.get(root)
-        held = [module_at(root, path) for path, _ in candidates.values()]
-        held = [module for module in held if is_held_off(module)]
-        copies.holding_floats = bool(held)
-        if whole_size_counted:  # ComfyUI counted model_size(), INT8 copies and held-off layers included
-            base_model.model_loaded_weight_memory = (copies.float_size or float_model_size(patcher)) - sum(
-                comfy.model_management.module_size(module) for module in held)
-        for marker in copies.markers.values():  # the load reset the model's loaded memory
-            marker.forget()
-        copies.int8_size = copies.last_swap = None
-        for name in list(copies.modules):
-            if name not in candidates:
-                continue
-            layer = self._placed_copy(copies, name, device_to if device_to is not None else base_model.device)
-            if layer is not None:
-                self._track(base_model, copies, name, module_at(root, candidates[name][0]), layer)
-
-    @staticmethod
-    def _track(base_model, copies: ModelCopies, name: str, float_module: torch.nn.Module,
-               layer: torch.nn.Module) -> None:
-        """Put the layer's marker into its float layer's `bias_function` and count a copy on the device ComfyUI
-        loads the model to in the model's loaded memory, offloaded float layer or not (see residency.py)."""
-        if not hasattr(float_module, "bias_function"):
-            return  # not one of ComfyUI's op classes: ModelPatcher neither counts nor offloads it
-        marker = marker_of(float_module, name, copies)
-        if marker is None:  # a load rewrote the list: the layer's marker goes back in
-            base_model.model_loaded_weight_memory = getattr(base_model, "model_loaded_weight_memory", 0) - \
-                drop_orphaned_markers(float_module)
-            marker = copies.markers.get(name) or Int8CopyMarker(name, copies.release)
-            float_module.bias_function = [*float_module.bias_function, marker]  # a new list: never the class's
-        copies.markers[name] = marker
-        loaded_to = getattr(base_model, "device", None)
-        if marker.counted_bytes == 0 and loaded_to is not None and is_on(layer.weight, loaded_to):
-            marker.count(int8_module_bytes(layer), base_model, copies.backup)
-            base_model.model_loaded_weight_memory = getattr(base_model, "model_loaded_weight_memory", 0) + \
-                marker.counted_bytes
-
-    @staticmethod
-    def _uncount(base_model, markers) -> None:
-        """Take these markers' copies out of the model's loaded memory (and out of its backup)."""
-        for marker in markers:
-            freed = marker.forget()
-            if freed:
-                base_model.model_loaded_weight_memory -= freed
-
-    def _uncount_dropped(self, base_model) -> None:
-        """Take the copies calibration dropped out of the model's loaded memory."""
-        copies = self.copies_of(base_model)
-        self._uncount(base_model, [marker for name, marker in copies.markers.items() if name not in copies.modules])
-
-    def _report_size(self, patcher, names: list[str]) -> None:
-        """Make `patcher.model_size()` (what ComfyUI plans loads and frees memory with) the model as it sits on the
-        computing device: the INT8 copies of `names` in, their float layers out where they stay in system memory
-        (float_offload.py), beside them where they stay loaded."""
-        if patcher is None:
-            return
-        copies = self.copies_of(patcher.model)
-        names = tuple(names)
-        hold = holds_floats_off(patcher)
-        if copies.int8_size is None or copies.int8_size[0] != (names, hold):
-            root = unwrap_compiled(patcher.model.diffusion_model)
-            candidates = self._candidates.get(root)
-            layers = [module_at(root, candidates[name][0]) for name in names if name in candidates]
-            held = sum(comfy.model_management.module_size(layer) for layer in layers if hold and can_hold_off(layer))
-            copies.int8_size = ((names, hold), sum(int8_copy_bytes(layer) for layer in layers), held)
-        if copies.float_size is None:
-            copies.float_size = float_model_size(patcher)
-        patcher.size = copies.float_size - copies.int8_size[2] + copies.int8_size[1]
-
     def _fresh_module_cache(self, base_model) -> torch.nn.Module:
-        """Drop the INT8 modules when the live weights changed (another model, or other weight patches)."""
+        """Drop the copies when the live weights changed (another model, or other weight patches)."""
         root = base_model.diffusion_model
         copies = self.copies_of(base_model)
         state = (id(root), getattr(base_model, "current_weight_patches_uuid", None))
@@ -545,9 +449,7 @@ class Int8Plan:
         copies = self.copies_of(base_model)
         candidates = self._candidates.get(root)  # the same walk the checking step's swap uses
         measurements: dict[str, LayerMeasurement] = {}
-        memory = {"kept": 0, "peak": 0, "held": 0}  # INT8 copies kept, float layers held off, the peak of the two
-        patcher = getattr(base_model, "current_patcher", None)
-        hold = holds_floats_off(patcher, args[0].device)
+        memory = {"kept": 0, "peak": 0}  # INT8 copies kept, and their peak with the one being measured
         gate, timings, remeasure_budget = speed_gate_enabled(), {}, RemeasureBudget()
         progress = comfy.utils.ProgressBar(len(candidates))
         log.info("int8-accel: calibrating %d layers on the first step (latent %s)", len(candidates),
@@ -564,7 +466,7 @@ class Int8Plan:
                 def measure_error() -> float:
                     layer = copies.modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
                     int8_copy.append(layer)
-                    memory["peak"] = max(memory["peak"], memory["kept"] - memory["held"] + int8_module_bytes(layer))
+                    memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
                     # A bypass-mode LoRA adds the same term to the float and the INT8 output: compare the layers'
                     # own outputs (the copy's class forward leaves out the LoRA it follows).
                     bypass = bypass_hook(module)
@@ -591,9 +493,6 @@ class Int8Plan:
                 if decide(row, self.settings, measure_error, time_calls) == INT8:
                     copies.modules[name] = int8_copy[0]
                     memory["kept"] += int8_module_bytes(int8_copy[0])
-                    if hold and can_hold_off(module):  # its float weight is not needed on the device from now on
-                        memory["held"] += comfy.model_management.module_size(module)
-                        self._hold_off(patcher, copies, name, module)
                 int8_copy.clear()
                 measurements[name] = row
                 progress.update(1)
@@ -617,8 +516,7 @@ class Int8Plan:
                                    fused_quantizer_timing=fused_quantizer)
         chosen = set(result.chosen)
         copies.modules = {name: module for name, module in copies.modules.items() if name in chosen}
-        self._uncount_dropped(base_model)
-        self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
+        copies.last_swap = None
         if chosen:
             # Return the INT8 output, so that the calibrating run gives the same result as every later run.
             output = self._swapped_and_guarded(executor, base_model, args, kwargs, output, result)
@@ -647,8 +545,7 @@ class Int8Plan:
             copies = self.copies_of(base_model)
             for name in dropped:
                 copies.release(name)
-            self._uncount_dropped(base_model)
-            self._report_size(getattr(base_model, "current_patcher", None), result.chosen)
+            copies.last_swap = None
             returned += len(dropped)
             result.model_guard = {"limit": limit, "error_before": before, "rounds": round_number, "layers": returned}
             if not result.chosen:
@@ -675,9 +572,8 @@ class Int8Plan:
         return swapped_output, normalized_mse(swapped_output, reference), (int8_flops / total if total else 0.0)
 
     def _publish(self, result: CalibrationResult, base_model, fingerprint: str, save: bool) -> None:
-        patcher = getattr(base_model, "current_patcher", None)
-        placement = None if patcher is None else float_placement(patcher)
-        weight_bytes = layer_weight_bytes(base_model.diffusion_model, result)
+        placement = self.float_placement()
+        weight_bytes = self._layer_weight_bytes(result)
         report = format_report(result, self.settings, weight_bytes, from_cache=not save, float_placement=placement)
         self.last_report, self.last_result = report, result
         if save:

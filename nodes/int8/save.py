@@ -23,7 +23,8 @@ from ..page import show_on_node
 from . import int8_plan
 from .checkpoint import int8_metadata, int8_state_dict
 from .modules import int8_layer_like
-from .plan import Int8Plan, canonical_name, find_candidates, unwrap_compiled
+from .owned import float_candidates, float_layer
+from .plan import Int8Plan, canonical_name
 
 log = logging.getLogger("int8_accel.int8")
 SMALLEST_FILE = "every accurate layer (smallest file)"
@@ -61,15 +62,19 @@ def int8_checkpoint(model, bake_lora: bool = False, after_sampling: bool = False
     if result is None:
         raise ValueError(SAMPLED_ANOTHER_MODEL if after_sampling else NOT_CALIBRATED)
     weights = {canonical_name(key): value for key, value in merged_state_dict(model, apply_patches=bake_lora).items()}
-    root = unwrap_compiled(model.model.diffusion_model)
-    candidates = find_candidates(root)
+    candidates = float_candidates(model)
+    for name in candidates:  # an INT8 layer the MODEL owns is in the loaded tree: its values in real units
+        scale = weights.pop(f"{name}.weight_scale", None)
+        if scale is not None and not weights[f"{name}.weight"].is_floating_point():
+            weights[f"{name}.weight"] = weights[f"{name}.weight"].float() * scale.float().view(
+                -1, *([1] * (weights[f"{name}.weight"].ndim - 1)))
     device = model.load_device
     layers = {}
     names = result.within_thresholds if int8_layers == SMALLEST_FILE else result.chosen
     for name in names:
         if name in candidates:
             path, kind = candidates[name]
-            layers[name] = int8_layer_like(root.get_submodule(path), kind, weights[f"{name}.weight"],
+            layers[name] = int8_layer_like(float_layer(model, path), kind, weights[f"{name}.weight"],
                                            weights.get(f"{name}.bias"), weight_qmax(device))
     with torch.no_grad():
         sd = int8_state_dict(weights.items(), layers)
