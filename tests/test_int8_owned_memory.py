@@ -154,3 +154,34 @@ def test_the_pack_writes_none_of_comfyuis_bookkeeping():
             for n, line in enumerate(path.read_text().splitlines(), 1) if BOOKKEEPING.search(line)]
     assert not hits, hits
     assert not (nodes / "int8" / "residency.py").exists() and not (nodes / "int8" / "float_offload.py").exists()
+
+
+def test_dynamic_vram_streams_the_int8_layers_as_its_own(comfy_root, quant):
+    """ComfyUI 0.38's ModelPatcherDynamic puts the object patches in the tree as any load does and streams every cast
+    layer per forward (`comfy_cast_weights`, weights left in system memory; emulated on 0.3.75 with the CPU as the
+    computing device, tests/support/comfy038.py). The INT8 layers are cast layers of ComfyUI's like any other: none of
+    the chosen float layers is in the tree, and ComfyUI's own forward, with no wrapper of the pack, runs them in INT8
+    and computes what the fully loaded INT8 model computes."""
+    from comfyui_int8_accel.nodes.int8.owned import float_layer, owned_paths
+    from harness.tiny_models import make_conditioning
+    from tests.support import comfy038
+
+    out, plan, _ = _calibrated(quant)
+    plan._own_layers(out, out.model_options, torch.zeros(plan.last_result.shape))
+    out.patch_model(device_to=None, load_weights=False)  # the object patches go in; nothing moves
+    x = torch.randn(plan.last_result.shape, generator=torch.Generator().manual_seed(0))
+    t = torch.full((x.shape[0],), 500.0)
+    context = make_conditioning("sd15", batch=x.shape[0])[0][0][0]
+    with torch.inference_mode():
+        loaded = out.model.apply_model(x, t, c_crossattn=context)
+        comfy038.emulated_dynamic_load(out, torch.device("cpu"))
+        layers = _int8_layers(out)
+        assert len(layers) == len(plan.last_result.chosen) == len(owned_paths(out))
+        assert all(layer.comfy_cast_weights and layer.weight.dtype == torch.int8 for layer in layers)
+        tree = set(map(id, out.model.diffusion_model.modules()))
+        assert not any(id(float_layer(out, path)) in tree for path in owned_paths(out))
+        with record_calls() as calls:
+            streamed = out.model.apply_model(x, t, c_crossattn=context)
+    assert sum(n for (_, _, path), n in calls.items() if path == "int8") >= len(layers)
+    assert torch.allclose(streamed, loaded, rtol=1e-5, atol=1e-6)
+    out.unpatch_model()
