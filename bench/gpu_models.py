@@ -147,9 +147,6 @@ VARIANTS = (
     Variant("plain bf16 + core TorchCompileModel", peer=CORE_COMPILE),
     Variant("torchao int8 dynamic + core TorchCompileModel", peer=TORCHAO_INT8),
     Variant("Quantize Model (INT8)", int8=True),
-    # the A/B of the row above: the INT8 layers' float weights kept on the GPU beside their INT8 copies
-    Variant("Quantize Model (INT8), float weights kept on the GPU", int8=True,
-            env=(("INT8_ACCEL_KEEP_FLOAT_WEIGHTS", "1"),)),
     Variant("torchao fp8 per-row + core TorchCompileModel", peer=TORCHAO_FP8),
     # the stack with CUDA graphs: its blocks' graphs are those of "INT8 + Compile Model (reduce-overhead)", so
     # after that row it records graphs for DeepCache's shallow steps and compiles nothing new
@@ -274,8 +271,8 @@ def _build(family: Family, dtype: torch.dtype, device: torch.device, dry: bool):
 
 
 def _weight_bytes(patcher, device: torch.device) -> int:
-    """The bytes of the diffusion model's tensors that live on `device` (after an INT8 row, the shared model's INT8
-    layers' float weights sit in system memory: they take no VRAM)."""
+    """The bytes of the diffusion model's tensors that live on `device` (while an INT8 MODEL is loaded, the float
+    layers its INT8 layers replace are out of the tree and in system memory: they take no VRAM)."""
     return sum(t.numel() * t.element_size() for t in patcher.model.diffusion_model.state_dict().values()
                if t.device == device)
 
@@ -392,7 +389,7 @@ def _apply(base, variant: Variant):
     if variant.int8:
         model = quant.apply_int8(model, quant.settings_from_widgets())[0]
         # The bench builds models on the GPU and keeps them there when "offloaded"; a user's ComfyUI offloads to
-        # system memory, where the INT8 layers' float weights go (INT8_ACCEL_KEEP_FLOAT_WEIGHTS=1 keeps them).
+        # system memory, where the float layers its INT8 layers replace stay while the INT8 MODEL is loaded.
         model.offload_device = torch.device("cpu")
     if variant.deepcache:
         model = deepcache.apply_deepcache(model, cache_interval=3, cache_depth=1)
