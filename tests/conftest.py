@@ -18,7 +18,14 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from harness.comfy_host import import_comfy, load_pack, tests_on_gpu  # noqa: E402
+from tests.support.exact_int_mm import make_cpu_int_mm_exact  # noqa: E402
 from tests.support.tiers import in_kernel_tier  # noqa: E402
+
+INEXACT_CPU_INT_MM = make_cpu_int_mm_exact()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return INEXACT_CPU_INT_MM
 
 # Triton's interpreter must be chosen before triton is first imported (the CUDA-path kernels are tested on
 # CPU tensors through it). The GPU suite (`make test-gpu`, INT8_ACCEL_TESTS_ON_GPU=1) runs Triton compiled.
