@@ -254,7 +254,41 @@ class SideChannelCell(nn.Module):
         return tokens + h
 
 
-class MadeUpDiT(nn.Module):
+class _PatchTransformerIO:
+    """What the made-up transformers share around their blocks: the patch embedding, the timestep and pooled-context
+    vector, and the output head (set up in this order around the blocks, so the parameters keep their order)."""
+
+    def _init_embeddings(self, in_channels: int, hidden_size: int, context_dim: int, patch_size: int, positions: int,
+                         operations, ops: dict) -> None:
+        self.patch_size = patch_size
+        self.x_in = operations.Linear(in_channels * patch_size * patch_size, hidden_size, **ops)
+        self.pos = nn.Parameter(torch.empty(1, positions, hidden_size, **ops))
+        self.t_in = nn.Sequential(operations.Linear(256, hidden_size, **ops), nn.SiLU(),
+                                  operations.Linear(hidden_size, hidden_size, **ops))
+        self.pool_in = operations.Linear(context_dim, hidden_size, **ops)
+
+    def _init_head(self, in_channels: int, hidden_size: int, operations, ops: dict) -> None:
+        self.norm_out = operations.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6, **ops)
+        self.x_out = operations.Linear(hidden_size, in_channels * self.patch_size * self.patch_size, **ops)
+
+    def _embed(self, x: torch.Tensor, timesteps: torch.Tensor,
+               context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, c, h, w = x.shape
+        p = self.patch_size
+        tokens = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), -1)
+        tokens = self.x_in(tokens)
+        tokens = tokens + self.pos[:, :tokens.shape[1]].to(tokens)
+        vec = self.t_in(_timestep_features(timesteps, 256).to(tokens.dtype)) + self.pool_in(context.mean(dim=1))
+        return tokens, vec
+
+    def _head(self, tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        b, c, h, w = shape
+        p = self.patch_size
+        out = self.x_out(self.norm_out(tokens))
+        return out.reshape(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
+class MadeUpDiT(_PatchTransformerIO, nn.Module):
     """A diffusion transformer no ComfyUI family uses: `forward(x, timesteps, context, **kwargs)` on a 4-D latent.
 
     Its blocks are `stages` (MadeUpStage, an nn.ModuleList) or, with `side_channel`, `cells` (SideChannelCell, an
@@ -267,15 +301,10 @@ class MadeUpDiT(nn.Module):
         ops = dict(dtype=dtype, device=device)
         self.dtype = dtype
         self.in_channels = in_channels
-        self.patch_size = patch_size
         self.hidden_size = hidden_size
         self.side_channel = side_channel
         self.long_skip = long_skip
-        self.x_in = operations.Linear(in_channels * patch_size * patch_size, hidden_size, **ops)
-        self.pos = nn.Parameter(torch.empty(1, 256, hidden_size, **ops))
-        self.t_in = nn.Sequential(operations.Linear(256, hidden_size, **ops), nn.SiLU(),
-                                  operations.Linear(hidden_size, hidden_size, **ops))
-        self.pool_in = operations.Linear(context_dim, hidden_size, **ops)
+        self._init_embeddings(in_channels, hidden_size, context_dim, patch_size, 256, operations, ops)
         if side_channel:
             self.memory: dict[str, torch.Tensor] = {}
             self.cells = nn.ModuleDict({
@@ -285,16 +314,10 @@ class MadeUpDiT(nn.Module):
             self.stages = nn.ModuleList([
                 MadeUpStage(hidden_size, num_heads, context_dim, operations=operations, **ops) for _ in range(depth)])
             self.stage_scales = [1.0 / (1 + i) ** 0.5 for i in range(depth)]
-        self.norm_out = operations.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6, **ops)
-        self.x_out = operations.Linear(hidden_size, in_channels * patch_size * patch_size, **ops)
+        self._init_head(in_channels, hidden_size, operations, ops)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, **kwargs) -> torch.Tensor:
-        b, c, h, w = x.shape
-        p = self.patch_size
-        tokens = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), -1)
-        tokens = self.x_in(tokens)
-        tokens = tokens + self.pos[:, :tokens.shape[1]].to(tokens)
-        vec = self.t_in(_timestep_features(timesteps, 256).to(tokens.dtype)) + self.pool_in(context.mean(dim=1))
+        tokens, vec = self._embed(x, timesteps, context)
         if self.side_channel:
             self.memory.clear()
             for cell in self.cells.values():
@@ -307,8 +330,7 @@ class MadeUpDiT(nn.Module):
                 tokens, _aux = stage(vec, tokens, scale=self.stage_scales[i], context=context, skip=skip)
                 if i == 1:
                     kept = tokens
-        out = self.x_out(self.norm_out(tokens))
-        return out.reshape(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+        return self._head(tokens, x.shape)
 
 
 class StyleBlock(nn.Module):
@@ -376,7 +398,7 @@ class TwoLaneLayer(nn.Module):
         raise RuntimeError("TwoLaneLayer is entered by prompt_pass() and image_pass(), never called as a module")
 
 
-class MadeUpVariantDiT(nn.Module):
+class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
     """The made-up variants (`variant`): "side_stack", "methods", "two_lanes" (see the module doc); the patching,
     embeddings and output head are MadeUpDiT's."""
 
@@ -388,13 +410,8 @@ class MadeUpVariantDiT(nn.Module):
         ops = dict(dtype=dtype, device=device)
         self.dtype = dtype
         self.variant = variant
-        self.patch_size = patch_size
         self.style_tokens = style_tokens
-        self.x_in = operations.Linear(in_channels * patch_size * patch_size, hidden_size, **ops)
-        self.pos = nn.Parameter(torch.empty(1, 1024, hidden_size, **ops))
-        self.t_in = nn.Sequential(operations.Linear(256, hidden_size, **ops), nn.SiLU(),
-                                  operations.Linear(hidden_size, hidden_size, **ops))
-        self.pool_in = operations.Linear(context_dim, hidden_size, **ops)
+        self._init_embeddings(in_channels, hidden_size, context_dim, patch_size, 1024, operations, ops)
         if variant == "two_lanes":
             self.prompt_in = operations.Linear(context_dim, hidden_size, **ops)
             self.layers = nn.ModuleList([TwoLaneLayer(hidden_size, num_heads, operations=operations, **ops)
@@ -409,16 +426,10 @@ class MadeUpVariantDiT(nn.Module):
             self.style_encoder = nn.ModuleList([StyleBlock(style_width, num_heads, operations=operations, **ops)
                                                 for _ in range(style_depth)])
             self.style_out = operations.Linear(style_width, hidden_size, **ops)
-        self.norm_out = operations.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6, **ops)
-        self.x_out = operations.Linear(hidden_size, in_channels * patch_size * patch_size, **ops)
+        self._init_head(in_channels, hidden_size, operations, ops)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, **kwargs) -> torch.Tensor:
-        b, c, h, w = x.shape
-        p = self.patch_size
-        tokens = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), -1)
-        tokens = self.x_in(tokens)
-        tokens = tokens + self.pos[:, :tokens.shape[1]].to(tokens)
-        vec = self.t_in(_timestep_features(timesteps, 256).to(tokens.dtype)) + self.pool_in(context.mean(dim=1))
+        tokens, vec = self._embed(x, timesteps, context)
         if self.variant == "side_stack":
             style = self.style_in(context[:, :self.style_tokens])
             for block in self.style_encoder:
@@ -433,8 +444,7 @@ class MadeUpVariantDiT(nn.Module):
             for i, stage in enumerate(self.stages):
                 enter = stage.denoise if self.variant == "methods" else stage
                 tokens, _aux = enter(vec, tokens, scale=self.stage_scales[i], context=context)
-        out = self.x_out(self.norm_out(tokens))
-        return out.reshape(b, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+        return self._head(tokens, x.shape)
 
 
 def _made_up_net(variant: str | None = None, **config) -> nn.Module:
