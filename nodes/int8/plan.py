@@ -71,7 +71,7 @@ from .owned import (
     tree_holds,
 )
 from .picture import decision_picture
-from .report import format_report, summary_line
+from .report import LAUNCHING_KERNEL_BACKENDS, format_report, summary_line
 from .settings import QuantizeSettings
 from .shared_inputs import assign_shared_inputs
 from .speed import (
@@ -248,7 +248,7 @@ class Int8Plan:
         self.shown_result = load_last_result(self.fingerprint(patcher), self.settings)
         if self.shown_result is not None:
             return format_report(self.shown_result, self.settings, self._layer_weight_bytes(self.shown_result),
-                                 from_cache=True, float_placement=self.float_placement())
+                                 from_cache=True, float_placement=self.float_placement(self.shown_result))
         kinds = {kind: sum(1 for _, k in candidates.values() if k == kind) for kind in ("linear", "conv")}
         return (f"INT8 calibration pending: it runs on the first sampling step with the real inputs "
                 f"({kinds['linear']} Linear and {kinds['conv']} Conv2d candidates). Its summary shows on the "
@@ -257,11 +257,13 @@ class Int8Plan:
     def _layer_weight_bytes(self, result: CalibrationResult) -> dict[str, int]:
         return {layer.name: self._weight_bytes[layer.name] for layer in result.layers if layer.name in self._weight_bytes}
 
-    def float_placement(self) -> str:
-        """Where the float weights of the INT8 layers are, said for the report: "" when out of the model ComfyUI
-        loads (the MODEL owns its INT8 layers), else why they stay loaded beside per-call INT8 copies."""
+    def float_placement(self, result: CalibrationResult) -> str:
+        """Where the float weights of the INT8 layers are, said for the report: "" when off the computing device (the
+        MODEL owns its INT8 layers, on a GPU), else why they take memory where the model computes."""
         if self.not_owned_because:
             return f"float weights stay loaded beside per-call INT8 copies: {self.not_owned_because}"
+        if result.kernel_backend not in LAUNCHING_KERNEL_BACKENDS:
+            return "float weights in system memory, where the model computes"
         return ""
 
     # --- wrappers ----------------------------------------------------------------------------------
@@ -572,7 +574,7 @@ class Int8Plan:
         return swapped_output, normalized_mse(swapped_output, reference), (int8_flops / total if total else 0.0)
 
     def _publish(self, result: CalibrationResult, base_model, fingerprint: str, save: bool) -> None:
-        placement = self.float_placement()
+        placement = self.float_placement(result)
         weight_bytes = self._layer_weight_bytes(result)
         report = format_report(result, self.settings, weight_bytes, from_cache=not save, float_placement=placement)
         self.last_report, self.last_result = report, result
