@@ -286,11 +286,8 @@ class Int8Plan:
         result, key = None, None
         if not self.not_owned_because and isinstance(noise, torch.Tensor):
             like = torch.empty((0, *noise.shape[1:]), dtype=noise.dtype, device=patcher.load_device)
-            options = (model_options or {}).get("transformer_options")
-            graph_timing = cuda_graph_timing_for(like.device, replays_cuda_graphs(options))
-            fused = graph_timing and fuses_linear_quantizer(options) and traces_linear_quantizer(like.device)
             fingerprint = self.fingerprint(patcher)
-            key = calibration_key(fingerprint, self.settings, like, graph_timing, fused)
+            key = self._calibration_key(fingerprint, like, (model_options or {}).get("transformer_options"))[0]
             result = self._known_result(key, patcher.model, fingerprint)
         layers = {} if result is None else self._owned_layers(patcher, result.chosen)
         if set_owned_layers(patcher, layers):
@@ -309,13 +306,9 @@ class Int8Plan:
             path, kind = candidates[name]
             layer = built.get(name)
             if layer is None or layer.qmax != qmax:
-                layer = built[name] = self._owned_layer(patcher, path, kind)
+                layer = built[name] = build_owned_layer(patcher, path, kind)
             layers[path] = layer
         return layers
-
-    @staticmethod
-    def _owned_layer(patcher, path: str, kind: str) -> torch.nn.Module:
-        return build_owned_layer(patcher, path, kind)
 
     def apply_model(self, executor, *args, **kwargs):
         base_model = executor.class_obj
@@ -325,9 +318,7 @@ class Int8Plan:
             self._drop_other_models(base_model)
         fingerprint = self._run_fingerprint or f"uuid:{getattr(base_model, 'current_weight_patches_uuid', None)}"
         bypass = self._bypass_fingerprint(base_model)
-        graph_timing = cuda_graph_timing_for(x.device, replays_cuda_graphs(options))
-        fused_quantizer = graph_timing and fuses_linear_quantizer(options) and traces_linear_quantizer(x.device)
-        key = calibration_key(fingerprint + bypass, self.settings, x, graph_timing, fused_quantizer)
+        key, graph_timing, fused_quantizer = self._calibration_key(fingerprint + bypass, x, options)
         installed_key, owned = self._installed.get(base_model, (None, {}))
         if installed_key == key and tree_holds(base_model, owned):
             self._last_ran = self._ran(owned)
@@ -342,6 +333,12 @@ class Int8Plan:
         replacements = self._int8_modules(base_model, result.chosen, x.device, bypass)
         with swapped_modules(base_model.diffusion_model, replacements):
             return executor(*args, **kwargs)
+
+    def _calibration_key(self, fingerprint: str, x: torch.Tensor, options: dict | None) -> tuple[str, bool, bool]:
+        """(key, graph timing, fused-quantizer timing) of a decision for a call on `x` (its shape, dtype, device)."""
+        graph_timing = cuda_graph_timing_for(x.device, replays_cuda_graphs(options))
+        fused_quantizer = graph_timing and fuses_linear_quantizer(options) and traces_linear_quantizer(x.device)
+        return calibration_key(fingerprint, self.settings, x, graph_timing, fused_quantizer), graph_timing, fused_quantizer
 
     @staticmethod
     def _ran(layers: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Module]:
@@ -396,7 +393,7 @@ class Int8Plan:
         """The INT8 copy of a float layer, with the weight width of the kernel backend that computes on `device`, kept
         on `device` (quantized there: a float weight in system memory moves there first, one layer at a time)."""
         layer = self._quantize_layer(float_module, kind, weight_qmax(device), device)
-        if layer.weight.device != torch.device(device):
+        if not _on(layer.weight, device):
             layer = layer.to(device, non_blocking=comfy.model_management.device_supports_non_blocking(device))
         return layer
 
