@@ -13,13 +13,13 @@ import re
 import pytest
 import torch
 
-from harness.tiny_families import block_entry, block_stack, build_family, sample_family
+from harness.tiny_families import block_entry, block_stack, build_family, counts_block_call, sample_family
 from tests.support.deepcache_tiny import deepcache, one_thread  # noqa: F401 (fixtures)
 
 COMFY_FAMILIES = ["auraflow", "pixart", "hunyuan_dit", "mochi", "cosmos1", "omnigen2", "ace_step", "stable_audio",
                   "hunyuan3d", "hunyuan3d21"]
 CACHED = [*COMFY_FAMILIES, "made_up", "made_up_long_skip", "made_up_side_stack", "made_up_methods",
-          "made_up_two_lanes"]
+          "made_up_two_lanes", "made_up_prompt_cache", "made_up_packed"]
 STEPS = 6
 _MODELS: dict = {}
 
@@ -40,6 +40,7 @@ class BlockCalls:
         net = model.get_model_object("diffusion_model")
         self.blocks = stack_members(net.get_submodule(block_stack(kind)))
         self.entry = block_entry(kind)
+        self.kind = kind
         self.count = 0
 
     def __enter__(self):
@@ -56,7 +57,7 @@ class BlockCalls:
             self.restore = lambda: setattr(cls, self.entry, original)
         else:
             def counted_call(module, args, kwargs):
-                self.count += 1
+                self.count += counts_block_call(self.kind, args, kwargs)
 
             self.handles = [block.register_forward_pre_hook(counted_call, with_kwargs=True) for block in self.blocks]
             self.restore = lambda: None
