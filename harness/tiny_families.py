@@ -42,6 +42,8 @@ How each family's forward reaches its main block stack (`FamilySpec.block_stack`
   vec)` on the prompt rows, then `layer(image, vec, keys, values)` on the image rows; the prompt's keys and values
   are kept on the model for the run, so later calls run the image rows only (ComfyUI 0.38.1's Qwen-Image 2.1
   and its prompt cache).
+- made_up_twice: `stages`; the forward runs the whole stack twice per call on the same rows (a recurrent pass):
+  the two calls of a block cannot be told apart, so discovery must refuse it.
 - made_up_packed: `rows`; the samples' image tokens packed one after another into one [samples x tokens, width]
   tensor with no batch dimension, each block `block(rows, vec, spans)` adding its residuals into `rows` in place
   and returning it (ComfyUI 0.38.1's MiniMax H3 packs text, audio and video rows so and accumulates in place).
@@ -178,6 +180,10 @@ NEW_FAMILIES: dict[str, FamilySpec] = {
         "image_model": "made_up", "variant": "prompt_cache", "in_channels": 4, "hidden_size": 64, "depth": 6,
         "num_heads": 2, "context_dim": 64, "patch_size": 2},
         (4, 16, 16), 64, 8, "layers", counted="image rows"),
+    "made_up_twice": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "twice", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 8, 8), 64, 8, "stages"),
     "made_up_packed": FamilySpec("MadeUp", {
         "image_model": "made_up", "variant": "packed", "in_channels": 4, "hidden_size": 64, "depth": 6,
         "num_heads": 2, "context_dim": 64, "patch_size": 2},
@@ -472,7 +478,8 @@ class PackedBlock(nn.Module):
 
 
 class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
-    """The made-up variants (`variant`): "side_stack", "methods", "two_lanes" (see the module doc); the patching,
+    """The made-up variants (`variant`): "side_stack", "methods", "two_lanes", "prompt_cache", "packed", "twice" (see
+    the module doc); the patching,
     embeddings and output head are MadeUpDiT's."""
 
     def __init__(self, variant: str, in_channels: int = 4, hidden_size: int = 64, depth: int = 6,
@@ -528,9 +535,10 @@ class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
                 rows = block(rows, vec, spans)
             tokens = rows.reshape(samples, length, -1)
         else:
-            for i, stage in enumerate(self.stages):
-                enter = stage.denoise if self.variant == "methods" else stage
-                tokens, _aux = enter(vec, tokens, scale=self.stage_scales[i], context=context)
+            for _ in range(2 if self.variant == "twice" else 1):
+                for i, stage in enumerate(self.stages):
+                    enter = stage.denoise if self.variant == "methods" else stage
+                    tokens, _aux = enter(vec, tokens, scale=self.stage_scales[i], context=context)
         return self._head(tokens, x.shape)
 
 

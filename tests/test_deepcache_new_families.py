@@ -253,17 +253,22 @@ def test_cond_and_uncond_of_different_shapes_are_learned_once_each(deepcache):
     assert len(discovery._MODELS[model.get_model_object("diffusion_model")]) >= 2  # one record per input shapes
 
 
-def test_blocks_that_pass_state_besides_their_arguments_run_uncached_and_say_so(deepcache):
+@pytest.mark.parametrize(("kind", "tried", "why"), [
+    ("made_up_side_channel", "ran MadeUpDiT uncached: the blocks it found (cells (", "changed the output by"),
+    ("made_up_twice", "ran MadeUpVariantDiT uncached: the blocks it found (stages (", "with arguments of the same shapes"),
+])
+def test_blocks_discovery_cannot_serve_run_uncached_and_say_so(deepcache, kind, tried, why):
     """The made-up model whose blocks also talk through a shared dict: the check finds that serving the captured
-    features does not reproduce it, so every run is uncached (bit-identical to the model alone) and the summary
-    names the stacks tried and what failed."""
-    model = tiny("made_up_side_channel")
-    plain = sample_family(model, "made_up_side_channel", steps=STEPS)
+    features does not reproduce it; the one whose forward runs its stack twice on the same rows: the two calls of
+    a block cannot be told apart. Every run is uncached (bit-identical to the model alone) and the summary names
+    the stacks tried and what failed."""
+    model = tiny(kind)
+    plain = sample_family(model, kind, steps=STEPS)
     cached = deepcache.apply_deepcache(model, 3, 1)
     for _ in range(2):
-        out, summaries = _summary_notes(cached, "made_up_side_channel")
+        out, summaries = _summary_notes(cached, kind)
         assert torch.equal(out, plain)
-        assert any("ran MadeUpDiT uncached: the blocks it found (cells (" in summary and "did not reproduce" in summary
+        assert any(tried in summary and "did not reproduce" in summary and why in summary
                    for summary in summaries), summaries
 
 
