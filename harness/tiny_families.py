@@ -351,7 +351,7 @@ class MadeUpDiT(_PatchTransformerIO, nn.Module):
             for i, stage in enumerate(self.stages):
                 skip = kept if self.long_skip and i == len(self.stages) - 1 else None
                 tokens, _aux = stage(vec, tokens, scale=self.stage_scales[i], context=context, skip=skip)
-                if i == 1:
+                if self.long_skip and i == 1:
                     kept = tokens
         return self._head(tokens, x.shape)
 

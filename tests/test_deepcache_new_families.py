@@ -20,6 +20,7 @@ COMFY_FAMILIES = ["auraflow", "pixart", "hunyuan_dit", "mochi", "cosmos1", "omni
                   "hunyuan3d", "hunyuan3d21"]
 CACHED = [*COMFY_FAMILIES, "made_up", "made_up_long_skip", "made_up_side_stack", "made_up_methods",
           "made_up_two_lanes", "made_up_prompt_cache", "made_up_packed"]
+LONG_SKIPS = {"hunyuan_dit", "hunyuan3d21", "made_up_long_skip"}
 STEPS = 6
 _MODELS: dict = {}
 
@@ -97,13 +98,20 @@ def _cached_stacks(summaries: list[str]) -> str:
 
 
 @pytest.mark.parametrize("kind", CACHED)
-def test_accepted_bit_identical_at_interval_one_and_fewer_block_calls_at_three(deepcache, kind):
+def test_accepted_bit_identical_at_interval_one_and_fewer_block_calls_at_three(deepcache, monkeypatch, kind):
     """Accepted; `cache_interval` 1 bit-identical to the model alone; at interval 3, in reuse and forecast, a run
     after the first (which learns and checks) calls the main stack's blocks at least 40% less often, and the first
     run after the node executes at most one model forward's worth more than that, long skips included (learning
     happens once per model); the MODEL without
     DeepCache is unchanged afterwards; the node's summary names the main stack as the one cached."""
+    from comfyui_int8_accel.nodes.deepcache import discovery
+
     model = tiny(kind)
+    recordings = []
+    record = discovery.record_block_calls
+    monkeypatch.setattr(discovery, "record_block_calls",
+                        lambda *args: recordings.append(record(*args)) or recordings[-1])
+    discovery.forget(model.get_model_object("diffusion_model"))  # learned once per model: learn it here
     with BlockCalls(model, kind) as plain_calls:
         plain = sample_family(model, kind, steps=STEPS)
     assert plain_calls.count > 0 and block_stack(kind) in {stack for stack in _stack_paths(model)}
@@ -119,6 +127,13 @@ def test_accepted_bit_identical_at_interval_one_and_fewer_block_calls_at_three(d
         assert calls.count <= 0.6 * plain_calls.count, (mode, calls.count, plain_calls.count)
         # learning keeps every residual a long skip's check needs: the check adds only its cached call
         assert first_calls.count - calls.count <= per_forward, (mode, first_calls.count, calls.count)
+        if mode == "reuse":  # the learning call's own residuals: every block's with a long skip, else two a lane
+            kept = recordings[0][1]
+            lanes = {(call.stack, call.lane) for call in kept.calls}
+            if kind in LONG_SKIPS:
+                assert len(kept.residuals) >= len(BlockCalls(model, kind).blocks) - 2, sorted(kept.residuals)
+            else:
+                assert len(kept.residuals) <= 2 * len(lanes), (sorted(kept.residuals), lanes)
         if mode == "forecast":  # a second node on the same model: what was learned is not learned again
             assert first_calls.count == calls.count, (first_calls.count, calls.count)
         assert torch.isfinite(again).all() and again.shape == plain.shape and not torch.equal(again, plain)

@@ -9,9 +9,9 @@ then on the image rows) is in two lanes: a lane is a way of entering (module cal
 block was entered that way before in the call (`BlockCall.occurrence`).
 
 Each block's own residual (per stream: what it returned minus what it took, where the stream enters it as the
-lane's previous block handed it on) is taken too, and kept where the forward holds on to block outputs after the
-next block has taken them (a long skip, as HunyuanDiT's list of skips: every skipped block is then a segment of
-its own and needs its own residual); otherwise only the last two of each lane are kept.
+lane's previous block handed it on) is taken too, and kept where the forward holds on to a block's output after
+the lane's next block has taken it (a long skip, as HunyuanDiT's list of skips: every skipped block is then a
+segment of its own and needs its own residual); otherwise only the last two of each lane are kept.
 
 Compute is counted, not timed: a weighted layer (a Linear or Conv, any module with a 2-D or larger `weight`) costs
 `weight.numel()` multiply-accumulates per output position, the same on every machine.
@@ -171,7 +171,8 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
     lane_residuals: dict[tuple, list[int]] = {}
     run_stack: list[int | None] = [None]
     stream_inputs: dict[int, tuple[list[Place], dict[Place, torch.Tensor]]] = {}  # while a call runs
-    consumed: dict[int, int] = {}  # call number -> the latest call that took one of its outputs (by identity)
+    consumed: dict[int, int] = {}  # call number -> the latest call of its lane that took one of its outputs
+    streams_taken: dict[int, set[int]] = {}  # call number -> which of its outputs a later call of its lane took
     pending: set[int] = set()  # calls whose outputs were not yet seen released or held
     held = [False]  # the forward held a block output after the next block took it: keep every residual
 
@@ -179,8 +180,9 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
         """Whether the forward still holds the outputs of calls a later call has taken, now that another entered."""
         for number in [n for n in pending if consumed.get(n, now) < now]:
             pending.discard(number)
-            for reference, (ref, source, _) in list(returned.items()):
-                if source == number and ref() is not None and id(ref()) == reference:
+            for reference, (ref, source, k) in list(returned.items()):
+                if source == number and k in streams_taken[number] and ref() is not None \
+                        and id(ref()) == reference:
                     held[0] = True
 
     def lane_of(call: BlockCall) -> tuple:
@@ -206,7 +208,9 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
             source = returned.get(id(tensor))
             if source is not None and source[0]() is tensor:
                 call.sources[place] = source[1:]
-                consumed[source[1]] = position
+                if lane_of(calls[source[1]]) == lane:  # a stream handed on (not keys a cache keeps, say)
+                    consumed[source[1]] = position
+                    streams_taken.setdefault(source[1], set()).add(source[2])
         if copy:
             inputs[position] = {place: tensor.clone() for place, tensor in arguments}
         calls.append(call)
