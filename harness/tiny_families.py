@@ -47,7 +47,10 @@ How each family's forward reaches its main block stack (`FamilySpec.block_stack`
 - made_up_packed: `rows`; the samples' image tokens packed one after another into one [samples x tokens, width]
   tensor with no batch dimension, each block `block(rows, vec, spans)` adding its residuals into `rows` in place
   and returning it (ComfyUI 0.38.1's MiniMax H3 packs text, audio and video rows so and accumulates in place).
-
+- made_up_sparse: `sparse_blocks`; the stream between blocks is no tensor but a `SparseRows` object (integer
+  coordinates: sample and position of each row, and the rows' features `feats`, packed without a batch dimension);
+  each block `block(rows, vec)` returns a new SparseRows with new feats and the same coordinates (the pattern of
+  ComfyUI 0.38.1's TRELLIS.2 sparse stages and their SparseTensor).
 None of them honours transformer_options.
 """
 
@@ -188,6 +191,10 @@ NEW_FAMILIES: dict[str, FamilySpec] = {
         "image_model": "made_up", "variant": "packed", "in_channels": 4, "hidden_size": 64, "depth": 6,
         "num_heads": 2, "context_dim": 64, "patch_size": 2},
         (4, 8, 8), 64, 8, "rows"),
+    "made_up_sparse": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "sparse", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 8, 8), 64, 8, "sparse_blocks"),
 }
 
 
@@ -477,8 +484,40 @@ class PackedBlock(nn.Module):
         return rows
 
 
+class SparseRows:
+    """A made-up sparse stream: `coords` [rows, 2] (integer sample and position of each row, sample-major) and
+    `feats` [rows, width]; a block makes a new one with `with_feats`, keeping the coordinates."""
+
+    def __init__(self, coords: torch.Tensor, feats: torch.Tensor) -> None:
+        self.coords = coords
+        self.feats = feats
+
+    def with_feats(self, feats: torch.Tensor) -> SparseRows:
+        return SparseRows(self.coords, feats)
+
+    def spans(self) -> list[tuple[int, int]]:
+        counts = torch.bincount(self.coords[:, 0]).tolist()
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [(start, start + count) for start, count in zip(starts, counts, strict=True)]
+
+
+class SparseBlock(PackedBlock):
+    """`forward(rows: SparseRows, vec)` -> a new SparseRows: attention within each sample's rows and an MLP, gated
+    by the sample's modulation (looked up by each row's sample coordinate); the input is left as it was."""
+
+    def forward(self, rows: SparseRows, vec: torch.Tensor) -> SparseRows:
+        shift, gain, gate_attn, gate_mlp = self.mod(torch.nn.functional.silu(vec))[rows.coords[:, 0]].chunk(4, dim=-1)
+        q, k, v = self.qkv(self.norm1(rows.feats) * (1 + gain) + shift).chunk(3, dim=-1)
+        attended = torch.cat([_attention(q[None, a:b], k[None, a:b], v[None, a:b], self.heads)[0]
+                              for a, b in rows.spans()])
+        feats = rows.feats + gate_attn * self.proj(attended)
+        feats = feats + gate_mlp * self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.norm2(feats))))
+        return rows.with_feats(feats)
+
+
 class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
-    """The made-up variants (`variant`): "side_stack", "methods", "two_lanes", "prompt_cache", "packed", "twice" (see
+    """The made-up variants (`variant`): "side_stack", "methods", "two_lanes", "prompt_cache", "packed", "sparse",
+    "twice" (see
     the module doc); the patching,
     embeddings and output head are MadeUpDiT's."""
 
@@ -501,6 +540,9 @@ class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
         elif variant == "packed":
             self.rows = nn.ModuleList([PackedBlock(hidden_size, num_heads, operations=operations, **ops)
                                        for _ in range(depth)])
+        elif variant == "sparse":
+            self.sparse_blocks = nn.ModuleList([SparseBlock(hidden_size, num_heads, operations=operations, **ops)
+                                                for _ in range(depth)])
         else:
             stage = MethodStage if variant == "methods" else MadeUpStage
             self.stages = nn.ModuleList([stage(hidden_size, num_heads, context_dim, operations=operations, **ops)
@@ -534,6 +576,14 @@ class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
             for block in self.rows:
                 rows = block(rows, vec, spans)
             tokens = rows.reshape(samples, length, -1)
+        elif self.variant == "sparse":
+            samples, length = tokens.shape[:2]
+            positions = torch.arange(samples * length, device=tokens.device)
+            sparse = SparseRows(torch.stack([positions // length, positions % length], dim=1),
+                                tokens.reshape(samples * length, -1))
+            for block in self.sparse_blocks:
+                sparse = block(sparse, vec)
+            tokens = sparse.feats.reshape(samples, length, -1)
         else:
             for _ in range(2 if self.variant == "twice" else 1):
                 for i, stage in enumerate(self.stages):

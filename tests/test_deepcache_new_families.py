@@ -19,7 +19,7 @@ from tests.support.deepcache_tiny import deepcache, one_thread  # noqa: F401 (fi
 COMFY_FAMILIES = ["auraflow", "pixart", "hunyuan_dit", "mochi", "cosmos1", "omnigen2", "ace_step", "stable_audio",
                   "hunyuan3d", "hunyuan3d21"]
 CACHED = [*COMFY_FAMILIES, "made_up", "made_up_long_skip", "made_up_side_stack", "made_up_methods",
-          "made_up_two_lanes", "made_up_prompt_cache", "made_up_packed"]
+          "made_up_two_lanes", "made_up_prompt_cache", "made_up_packed", "made_up_sparse"]
 LONG_SKIPS = {"hunyuan_dit", "hunyuan3d21", "made_up_long_skip"}
 STEPS = 6
 _MODELS: dict = {}

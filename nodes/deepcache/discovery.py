@@ -48,6 +48,7 @@ from .families import BlockStack, Family, supported_names
 from .recording import BlockCall, Place, Recording, record_block_calls, shapes_signature, stream_places
 from .segments import BlockPlace, middle_places
 from .steps import WRAPPER_KEY, FeatureCache, Mode, ModelCall, active_call, active_run, chunk_signature, scratch_call
+from .stream_objects import difference, first_tensor, named_parts
 
 log = logging.getLogger("int8_accel.deepcache")
 
@@ -328,10 +329,10 @@ def _capture_from_recording(recording: Recording, record: ModelRecord, places: d
     first_own = recording.residuals.get(number.get(first, -1))
     if first is None or not (first_inputs or first_own):
         return False
-    first_stream = next((first_inputs.get(place) for place in record.streams[first[0]]
+    first_stream = next((first_tensor(first_inputs.get(place)) for place in record.streams[first[0]]
                          if first_inputs.get(place) is not None), None) if first_inputs else None
     if first_stream is None and first_own is not None:  # the stream's shape is its residual's
-        first_stream = next((value for value in first_own[1] if value is not None), None)
+        first_stream = next((first_tensor(value) for value in first_own[1] if value is not None), None)
     if first_stream is None:
         return False
     signature = chunk_signature(first_stream, len(chunk_ids))
@@ -341,7 +342,8 @@ def _capture_from_recording(recording: Recording, record: ModelRecord, places: d
         inputs, outputs = recording.inputs.get(number[start]), recording.outputs.get(number[ends[segment]])
         own = recording.residuals.get(number[start]) if start == ends[segment] else None
         if own is not None and own[0] == streams:
-            residuals += [(f"{segment}.stream{k}", value) for k, value in enumerate(own[1]) if value is not None]
+            residuals += [part for k, value in enumerate(own[1]) if value is not None
+                          for part in named_parts(f"{segment}.stream{k}", value).items()]
             continue
         if inputs is None or outputs is None:
             return False
@@ -349,8 +351,9 @@ def _capture_from_recording(recording: Recording, record: ModelRecord, places: d
             value = outputs[k] if k < len(outputs) else None
             if place not in inputs or value is None:
                 return False
-            if inputs[place].shape == value.shape:
-                residuals.append((f"{segment}.stream{k}", value - inputs[place]))
+            residual = difference(value, inputs[place])
+            if residual is not None:
+                residuals += list(named_parts(f"{segment}.stream{k}", residual).items())
     for name, residual in residuals:
         cache.put(chunk_ids, signature, name, residual, step)
     return True

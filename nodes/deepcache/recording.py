@@ -13,6 +13,9 @@ lane's previous block handed it on) is taken too, and kept where the forward hol
 the lane's next block has taken it (a long skip, as HunyuanDiT's list of skips: every skipped block is then a
 segment of its own and needs its own residual); otherwise only the last two of each lane are kept.
 
+A stream may be an object holding tensors (TRELLIS.2's `SparseTensor`: coordinates and feats): it is followed as
+a tensor is, its copies and residuals taken per floating-point field (`stream_objects`).
+
 Compute is counted, not timed: a weighted layer (a Linear or Conv, any module with a 2-D or larger `weight`) costs
 `weight.numel()` multiply-accumulates per output position, the same on every machine.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..block_stacks import FoundStack, stack_members
+from .stream_objects import cloned, described, difference, is_stream_value
 
 KEYWORD_ONLY = 1 << 20  # the position of an argument that enters only by keyword
 MODULE_CALL = ""  # BlockCall.entry of a block called as a module
@@ -60,7 +64,7 @@ class BlockCall:
 
 def shapes_signature(args: tuple, kwargs: dict) -> tuple:
     """`BlockCall.signature` of a call about to be made with these arguments."""
-    return tuple(sorted((place, (tuple(t.shape), t.dtype)) for place, t in tensor_arguments(args, kwargs)))
+    return tuple(sorted((place, described(value)) for place, value in tensor_arguments(args, kwargs)))
 
 
 @dataclass
@@ -119,9 +123,10 @@ def outputs_of(output) -> tuple:
     return tuple(output) if isinstance(output, (tuple, list)) else (output,)
 
 
-def tensor_arguments(args: tuple, kwargs: dict) -> list[tuple[Place, torch.Tensor]]:
-    found = [((position, ""), arg) for position, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
-    return found + [((KEYWORD_ONLY, name), arg) for name, arg in kwargs.items() if isinstance(arg, torch.Tensor)]
+def tensor_arguments(args: tuple, kwargs: dict) -> list[tuple[Place, object]]:
+    """The arguments that may be streams: tensors, and objects holding tensors (`stream_objects`)."""
+    found = [((position, ""), arg) for position, arg in enumerate(args) if is_stream_value(arg)]
+    return found + [((KEYWORD_ONLY, name), arg) for name, arg in kwargs.items() if is_stream_value(arg)]
 
 
 def block_methods(block: torch.nn.Module) -> list[str]:
@@ -204,7 +209,7 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
         lane_calls[lane] = lane_calls.get(lane, 0) + 1
         arguments = tensor_arguments(args, kwargs)
         for place, tensor in arguments:
-            call.arguments[place] = (tuple(tensor.shape), tensor.dtype)
+            call.arguments[place] = described(tensor)
             source = returned.get(id(tensor))
             if source is not None and source[0]() is tensor:
                 call.sources[place] = source[1:]
@@ -212,14 +217,14 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
                     consumed[source[1]] = position
                     streams_taken.setdefault(source[1], set()).add(source[2])
         if copy:
-            inputs[position] = {place: tensor.clone() for place, tensor in arguments}
+            inputs[position] = {place: cloned(tensor) for place, tensor in arguments}
         calls.append(call)
         judge(position)
         previous = lane_latest.get(lane, [None])[-1]
         if previous is not None and calls[previous].done:
             places = stream_places(calls, previous, position)
             values = dict(arguments)
-            stream_inputs[position] = (places, {place: inputs[position][place] if copy else values[place].clone()
+            stream_inputs[position] = (places, {place: inputs[position][place] if copy else cloned(values[place])
                                                 for place in places})
             if len(lane_latest[lane]) == 1 and previous in inputs and previous in outputs:
                 # the lane's first call: its residual, now that the streams' places are known
@@ -232,8 +237,8 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
         values = []
         for k, place in enumerate(places):
             value = output[k] if k < len(output) else None
-            values.append(value - taken[place] if isinstance(value, torch.Tensor) and place in taken
-                          and value.shape == taken[place].shape else None)
+            values.append(difference(value, taken[place]) if value is not None and is_stream_value(value)
+                          and place in taken else None)
         residuals[number] = (places, tuple(values))
         kept = lane_residuals.setdefault(lane_of(calls[number]), [])
         kept.append(number)
@@ -248,10 +253,13 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
         kept = []
         values = outputs_of(output)
         for k, value in enumerate(values):
-            if isinstance(value, torch.Tensor):
-                call.outputs.append((tuple(value.shape), value.dtype))
-                returned[id(value)] = (weakref.ref(value), position, k)
-                kept.append(value.clone())
+            if is_stream_value(value):
+                call.outputs.append(described(value))
+                try:
+                    returned[id(value)] = (weakref.ref(value), position, k)
+                except TypeError:  # an object without weak references is not followed to the next block
+                    pass
+                kept.append(cloned(value))
             else:
                 call.outputs.append(None)
                 kept.append(None)
