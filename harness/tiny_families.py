@@ -51,6 +51,12 @@ How each family's forward reaches its main block stack (`FamilySpec.block_stack`
   coordinates: sample and position of each row, and the rows' features `feats`, packed without a batch dimension);
   each block `block(rows, vec)` returns a new SparseRows with new feats and the same coordinates (the pattern of
   ComfyUI 0.38.1's TRELLIS.2 sparse stages and their SparseTensor).
+- made_up_fused: `stages` after `fusion_blocks`, a ModuleList of FusedPair containers the forward never calls: it
+  calls each container's children itself, interleaving a video stream (the image tokens) and an audio stream (from
+  the prompt), `video += fused.audio_to_video(video, audio)`, `audio += fused.video_to_audio(audio, video before)`,
+  then `fused.video_block(...)` and `fused.audio_block(...)`; then the stages on the video stream alone (the
+  pattern of ComfyUI 0.38.1's Prism and its fusion blocks before the remaining video blocks).
+
 None of them honours transformer_options.
 """
 
@@ -195,6 +201,10 @@ NEW_FAMILIES: dict[str, FamilySpec] = {
         "image_model": "made_up", "variant": "sparse", "in_channels": 4, "hidden_size": 64, "depth": 6,
         "num_heads": 2, "context_dim": 64, "patch_size": 2},
         (4, 8, 8), 64, 8, "sparse_blocks"),
+    "made_up_fused": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "fused", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 8, 8), 64, 8, "stages"),
 }
 
 
@@ -515,9 +525,39 @@ class SparseBlock(PackedBlock):
         return rows.with_feats(feats)
 
 
+class CrossConditioner(nn.Module):
+    """`forward(rows, other)`: what `rows` take from the other stream's rows (cross-attention), to be added to them."""
+
+    def __init__(self, dim: int, heads: int, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.norm = operations.LayerNorm(dim, eps=1e-6, **ops)
+        self.q = operations.Linear(dim, dim, **ops)
+        self.kv = operations.Linear(dim, 2 * dim, **ops)
+        self.out = operations.Linear(dim, dim, **ops)
+
+    def forward(self, rows: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        k, v = self.kv(other).chunk(2, dim=-1)
+        return self.out(_attention(self.q(self.norm(rows)), k, v, self.heads))
+
+
+class FusedPair(nn.Module):
+    """A container of a video block, an audio block and their two cross-stream conditioners; it has no forward of
+    its own (the model's forward calls its children)."""
+
+    def __init__(self, dim: int, heads: int, context_dim: int, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device, operations=operations)
+        self.audio_to_video = CrossConditioner(dim, heads, **ops)
+        self.video_to_audio = CrossConditioner(dim, heads, **ops)
+        self.video_block = MadeUpStage(dim, heads, context_dim, **ops)
+        self.audio_block = MadeUpStage(dim, heads, context_dim, **ops)
+
+
 class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
     """The made-up variants (`variant`): "side_stack", "methods", "two_lanes", "prompt_cache", "packed", "sparse",
-    "twice" (see
+    "fused", "twice" (see
     the module doc); the patching,
     embeddings and output head are MadeUpDiT's."""
 
@@ -544,6 +584,10 @@ class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
             self.sparse_blocks = nn.ModuleList([SparseBlock(hidden_size, num_heads, operations=operations, **ops)
                                                 for _ in range(depth)])
         else:
+            if variant == "fused":
+                self.audio_in = operations.Linear(context_dim, hidden_size, **ops)
+                self.fusion_blocks = nn.ModuleList([FusedPair(hidden_size, num_heads, context_dim,
+                                                              operations=operations, **ops) for _ in range(2)])
             stage = MethodStage if variant == "methods" else MadeUpStage
             self.stages = nn.ModuleList([stage(hidden_size, num_heads, context_dim, operations=operations, **ops)
                                          for _ in range(depth)])
@@ -585,12 +629,25 @@ class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
                 sparse = block(sparse, vec)
             tokens = sparse.feats.reshape(samples, length, -1)
         else:
+            if self.variant == "fused":
+                tokens = self._through_fusion_blocks(tokens, vec, context)
             for _ in range(2 if self.variant == "twice" else 1):
                 for i, stage in enumerate(self.stages):
                     enter = stage.denoise if self.variant == "methods" else stage
                     tokens, _aux = enter(vec, tokens, scale=self.stage_scales[i], context=context)
         return self._head(tokens, x.shape)
 
+
+    def _through_fusion_blocks(self, video: torch.Tensor, vec: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """The video and audio streams through each FusedPair's children, interleaved (Prism's fusion blocks)."""
+        audio = self.audio_in(context)
+        for fused in self.fusion_blocks:
+            before = video
+            video = video + fused.audio_to_video(video, audio)
+            audio = audio + fused.video_to_audio(audio, before)
+            video, _aux = fused.video_block(vec, video, scale=1.0, context=context)
+            audio, _aux = fused.audio_block(vec, audio, scale=1.0, context=context)
+        return video
 
     def _through_prompt_cache(self, tokens: torch.Tensor, vec: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """The layers on the image rows; a prompt not seen yet in this sampling run first goes through every layer

@@ -19,7 +19,8 @@ from tests.support.deepcache_tiny import deepcache, one_thread  # noqa: F401 (fi
 COMFY_FAMILIES = ["auraflow", "pixart", "hunyuan_dit", "mochi", "cosmos1", "omnigen2", "ace_step", "stable_audio",
                   "hunyuan3d", "hunyuan3d21"]
 CACHED = [*COMFY_FAMILIES, "made_up", "made_up_long_skip", "made_up_side_stack", "made_up_methods",
-          "made_up_two_lanes", "made_up_prompt_cache", "made_up_packed", "made_up_sparse"]
+          "made_up_two_lanes", "made_up_prompt_cache", "made_up_packed", "made_up_sparse",
+          "made_up_fused"]
 LONG_SKIPS = {"hunyuan_dit", "hunyuan3d21", "made_up_long_skip"}
 STEPS = 6
 _MODELS: dict = {}
@@ -195,6 +196,20 @@ def test_a_wide_stack_on_two_tokens_is_left_out_and_the_summary_says_why(deepcac
                       r"parameters\): under 10% of the call's compute", left_out)
     assert shares and int(shares[1]) < 10 and int(shares[2]) > 80, left_out
     assert encoder[0] >= STEPS * len(net.style_encoder)  # every step runs it, the check's call too
+
+
+def test_blocks_whose_children_the_forward_calls_are_left_out_and_the_summary_says_why(deepcache):
+    """The made-up model whose fusion_blocks are containers the forward never calls (it calls their children,
+    interleaving a video and an audio stream, as Prism does): DeepCache caches the stages after them and the summary
+    names the containers' children the forward called and that it does not reach them."""
+    kind = "made_up_fused"
+    _, summaries = _summary_notes(deepcache.apply_deepcache(tiny(kind), 3, 1), kind)
+    assert _cached_stacks(summaries).startswith("stages (6 x MadeUpStage, "), summaries
+    note = next(summary for summary in summaries if "left out" in summary)
+    left_out = note.split("left out: ", 1)[1].split("; checked", 1)[0]
+    assert re.fullmatch(r"fusion_blocks \(2 x FusedPair, 0% of the model call's compute, \d+% of the parameters\): "
+                        r"never ran as blocks: the forward calls their children \(\.audio_to_video, \.video_to_audio, "
+                        r"\.video_block, \.audio_block\) itself, which DeepCache does not reach", left_out), left_out
 
 
 def test_what_was_learned_is_kept_for_the_model_and_a_new_depth_is_checked_on_the_steps_own_call(deepcache):

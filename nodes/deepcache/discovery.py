@@ -162,6 +162,7 @@ class StackCompute:
     ran: bool
     lane: Lane = ("", 0)  # how the forward entered the blocks for the calls cached
     as_is: tuple[Lane, ...] = ()  # other ways (or times) the forward entered them, whose calls run as they are
+    children: tuple[str, ...] = ()  # children of its blocks the forward called itself (where the blocks never ran)
 
     @property
     def entry(self) -> str:
@@ -202,7 +203,8 @@ def choose_by_compute(net: torch.nn.Module, candidates: list[FoundStack],
         shares = [parameter_count(net.get_submodule(stack.path)) / total for stack in candidates]
         measured = "parameters (no compute was measured)"
     computes = [StackCompute(stack, shares[n], n in ran, heaviest.get(n, ("", 0)),
-                             tuple(lane for lane in lanes.get(n, {}) if lane != heaviest.get(n)))
+                             tuple(lane for lane in lanes.get(n, {}) if lane != heaviest.get(n)),
+                             tuple(recording.children.get(n, ())) if n not in ran else ())
                 for n, stack in enumerate(candidates)]
     chosen = [n for n, compute in enumerate(computes) if compute.ran and compute.share >= MIN_COMPUTE_SHARE]
     return chosen, computes, measured
@@ -223,13 +225,17 @@ def _other_module_calls(recording: Recording, stack: int, lane: Lane) -> Callabl
     return lambda args, kwargs: shapes_signature(args, kwargs) in other
 
 
+def _why_left_out(compute: StackCompute) -> str:
+    if compute.children:  # Prism: containers whose children the forward calls one by one, interleaving streams
+        called = ", ".join(f".{name}" for name in compute.children)
+        return (f"never ran as blocks: the forward calls their children ({called}) itself, which DeepCache does "
+                "not reach")
+    return "never ran" if not compute.ran else f"under {_percent(MIN_COMPUTE_SHARE)} of the call's compute"
+
+
 def _left_out(computes: list[StackCompute], chosen: list[int], measured: str) -> str:
-    reasons = []
-    for n, compute in enumerate(computes):
-        if n in chosen:
-            continue
-        why = "never ran" if not compute.ran else f"under {_percent(MIN_COMPUTE_SHARE)} of the call's compute"
-        reasons.append(f"{compute.describe(measured)}: {why}")
+    reasons = [f"{compute.describe(measured)}: {_why_left_out(compute)}"
+               for n, compute in enumerate(computes) if n not in chosen]
     return "; left out: " + ", ".join(reasons) if reasons else ""
 
 
@@ -299,7 +305,8 @@ def _learn_model(net: torch.nn.Module, candidates: list[FoundStack],
     if not chosen:
         tried = ", ".join(compute.describe(measured) for compute in computes)
         failure = (f"DeepCache ran {cls} uncached: none of the blocks it found ({tried}) does "
-                   f"{_percent(MIN_COMPUTE_SHARE)} of the model call's compute")
+                   f"{_percent(MIN_COMPUTE_SHARE)} of the model call's compute as blocks it reaches ("
+                   + "; ".join(f"{compute.stack.path}: {_why_left_out(compute)}" for compute in computes) + ")")
         return ModelRecord([], None, [], False, [], tried, "", failure), kept
     cached = ", ".join(computes[n].describe(measured) for n in chosen)
     try:

@@ -13,6 +13,9 @@ lane's previous block handed it on) is taken too, and kept where the forward hol
 the lane's next block has taken it (a long skip, as HunyuanDiT's list of skips: every skipped block is then a
 segment of its own and needs its own residual); otherwise only the last two of each lane are kept.
 
+A block the forward never enters but whose children it calls itself (Prism's `fused.video_block(...)`) is not
+reached; which children were called is recorded for the summary.
+
 A stream may be an object holding tensors (TRELLIS.2's `SparseTensor`: coordinates and feats): it is followed as
 a tensor is, its copies and residuals taken per floating-point field (`stream_objects`).
 
@@ -77,6 +80,9 @@ class Recording:
     # call number -> (where each stream entered it, per stream its output minus that input, None where the shapes
     # differ): the block's own residual
     residuals: dict[int, tuple[list[Place], tuple]] = field(default_factory=dict)
+    # stack number -> the children of its blocks the forward called itself, outside any call of their block
+    # (ComfyUI 0.38.1's Prism: `fused.video_block(...)`, `fused.audio_block(...)`), in the order first called
+    children: dict[int, list[str]] = field(default_factory=dict)
 
     def keep(self, numbers: list[int]) -> Recording:
         """This recording with only the calls `numbers` (in order), renumbered; sources from calls dropped are
@@ -92,7 +98,7 @@ class Recording:
         return Recording(calls, self.macs, self.total_macs,
                          {new_number[n]: v for n, v in self.inputs.items() if n in new_number},
                          {new_number[n]: v for n, v in self.outputs.items() if n in new_number},
-                         {new_number[n]: v for n, v in self.residuals.items() if n in new_number})
+                         {new_number[n]: v for n, v in self.residuals.items() if n in new_number}, self.children)
 
 
 def handed_on(calls: list[BlockCall], previous: int, nxt: int, k: int, taken: list[Place]) -> Place | None:
@@ -311,8 +317,18 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
         if position is not None and position in entered_by_module:
             leave(module, output)
 
+    children: dict[int, list[str]] = {}
+
+    def child_called(block, number: int, name: str) -> None:
+        if id(block) not in running and name not in children.setdefault(number, []):
+            children[number].append(name)
+
     for number, stack in enumerate(stacks):
         for index, block in enumerate(stack_members(net.get_submodule(stack.path))):
+            for name, child in block.named_children():
+                if next(child.parameters(), None) is not None:
+                    handles.append(child.register_forward_pre_hook(
+                        lambda m, a, block=block, number=number, name=name: child_called(block, number, name)))
             handles.append(block.register_forward_pre_hook(
                 lambda m, a, k, number=number, index=index: before(m, a, k, number, index), with_kwargs=True))
             handles.append(block.register_forward_hook(after, with_kwargs=True))
@@ -327,4 +343,4 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
             handle.remove()
         for block, name in patched:
             del block.__dict__[name]
-    return result, Recording(calls, macs, total[0], inputs, outputs, residuals)
+    return result, Recording(calls, macs, total[0], inputs, outputs, residuals, children)
