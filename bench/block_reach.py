@@ -30,7 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ["auraflow", "pixart", "hunyuan_dit", "mochi", "cosmos1", "omnigen2", "ace_step", "stable_audio",
          "hunyuan3d", "hunyuan3d21", "made_up", "made_up_long_skip", "made_up_side_channel", "made_up_side_stack",
-         "made_up_methods", "made_up_two_lanes", "made_up_prompt_cache", "made_up_packed"]
+         "made_up_methods", "made_up_two_lanes", "made_up_prompt_cache", "made_up_packed", "made_up_sparse",
+         "made_up_fused"]
 STEPS = 6
 
 
