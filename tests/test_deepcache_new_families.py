@@ -212,6 +212,23 @@ def test_blocks_whose_children_the_forward_calls_are_left_out_and_the_summary_sa
                         r"\.video_block, \.audio_block\) itself, which DeepCache does not reach", left_out), left_out
 
 
+def test_a_model_whose_only_stack_runs_through_its_blocks_children_runs_uncached_and_says_why(deepcache):
+    """The same model's fusion_blocks as the only candidate (a Prism without remaining video blocks): nothing is
+    cached, and the failure line names the children the forward called."""
+    from comfyui_int8_accel.nodes.block_stacks import candidate_stacks
+    from comfyui_int8_accel.nodes.deepcache import discovery
+
+    net = tiny("made_up_fused").get_model_object("diffusion_model")
+    fusion = [stack for stack in candidate_stacks(net) if stack.path == "fusion_blocks"]
+    x, context = torch.randn(1, 4, 8, 8), torch.randn(1, 8, 64)
+    _, recording = discovery.record_block_calls(net, fusion, lambda: net(x, torch.tensor([0.5]), context), 1)
+    record, _ = discovery._learn_model(net, fusion, recording)
+    assert record.family is None and record.failure.startswith("DeepCache ran MadeUpVariantDiT uncached"), record
+    assert record.failure.endswith("(fusion_blocks: never ran as blocks: the forward calls their children "
+                                   "(.audio_to_video, .video_to_audio, .video_block, .audio_block) itself, which "
+                                   "DeepCache does not reach)"), record.failure
+
+
 def test_what_was_learned_is_kept_for_the_model_and_a_new_depth_is_checked_on_the_steps_own_call(deepcache):
     """Learned once per diffusion model: after a DeepCache node at depth 1 has run, one at depth 2 checks its
     segments on the step's own capturing call plus one cached call (four of the six blocks), not a forward more,
