@@ -38,6 +38,24 @@ How each family's forward reaches its main block stack (`FamilySpec.block_stack`
   vec)` returns the prompt rows and their keys and values, which `layer.image_pass(image, vec, keys, values)`
   attends to on the image rows (SenseNova U1.5's forward_prefix / forward_generation, Wan Animate 2's forward_pose
   / forward_gen beside it).
+- made_up_prompt_cache: `layers`; each layer called as a module twice on a sampling run's first call, `layer(prompt,
+  vec)` on the prompt rows, then `layer(image, vec, keys, values)` on the image rows; the prompt's keys and values
+  are kept on the model for the run, so later calls run the image rows only (ComfyUI 0.38.1's Qwen-Image 2.1
+  and its prompt cache).
+- made_up_twice: `stages`; the forward runs the whole stack twice per call on the same rows (a recurrent pass):
+  the two calls of a block cannot be told apart, so discovery must refuse it.
+- made_up_packed: `rows`; the samples' image tokens packed one after another into one [samples x tokens, width]
+  tensor with no batch dimension, each block `block(rows, vec, spans)` adding its residuals into `rows` in place
+  and returning it (ComfyUI 0.38.1's MiniMax H3 packs text, audio and video rows so and accumulates in place).
+- made_up_sparse: `sparse_blocks`; the stream between blocks is no tensor but a `SparseRows` object (integer
+  coordinates: sample and position of each row, and the rows' features `feats`, packed without a batch dimension);
+  each block `block(rows, vec)` returns a new SparseRows with new feats and the same coordinates (the pattern of
+  ComfyUI 0.38.1's TRELLIS.2 sparse stages and their SparseTensor).
+- made_up_fused: `stages` after `fusion_blocks`, a ModuleList of FusedPair containers the forward never calls: it
+  calls each container's children itself, interleaving a video stream (the image tokens) and an audio stream (from
+  the prompt), `video += fused.audio_to_video(video, audio)`, `audio += fused.video_to_audio(audio, video before)`,
+  then `fused.video_block(...)` and `fused.audio_block(...)`; then the stages on the video stream alone (the
+  pattern of ComfyUI 0.38.1's Prism and its fusion blocks before the remaining video blocks).
 
 None of them honours transformer_options.
 """
@@ -64,6 +82,7 @@ class FamilySpec(NamedTuple):
     block_stack: str  # dotted path of the main block container on the diffusion model
     cfg: float = 3.0  # default CFG scale for sample_family
     entry: str = ""  # the method of a block the forward enters the main stack's blocks by ("": a module call)
+    counted: str = ""  # "image rows": only the module calls on the image rows count as the stack's block calls
 
 
 NEW_FAMILIES: dict[str, FamilySpec] = {
@@ -165,6 +184,27 @@ NEW_FAMILIES: dict[str, FamilySpec] = {
         "image_model": "made_up", "variant": "two_lanes", "in_channels": 4, "hidden_size": 64, "depth": 6,
         "num_heads": 2, "context_dim": 64, "patch_size": 2},
         (4, 8, 8), 64, 8, "layers", entry="image_pass"),
+    # 64 image rows through each layer per call; the 8 prompt rows once per sampling run, by the same module
+    "made_up_prompt_cache": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "prompt_cache", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 16, 16), 64, 8, "layers", counted="image rows"),
+    "made_up_twice": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "twice", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 8, 8), 64, 8, "stages"),
+    "made_up_packed": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "packed", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 8, 8), 64, 8, "rows"),
+    "made_up_sparse": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "sparse", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 8, 8), 64, 8, "sparse_blocks"),
+    "made_up_fused": FamilySpec("MadeUp", {
+        "image_model": "made_up", "variant": "fused", "in_channels": 4, "hidden_size": 64, "depth": 6,
+        "num_heads": 2, "context_dim": 64, "patch_size": 2},
+        (4, 8, 8), 64, 8, "stages"),
 }
 
 
@@ -328,7 +368,7 @@ class MadeUpDiT(_PatchTransformerIO, nn.Module):
             for i, stage in enumerate(self.stages):
                 skip = kept if self.long_skip and i == len(self.stages) - 1 else None
                 tokens, _aux = stage(vec, tokens, scale=self.stage_scales[i], context=context, skip=skip)
-                if i == 1:
+                if self.long_skip and i == 1:
                     kept = tokens
         return self._head(tokens, x.shape)
 
@@ -398,8 +438,127 @@ class TwoLaneLayer(nn.Module):
         raise RuntimeError("TwoLaneLayer is entered by prompt_pass() and image_pass(), never called as a module")
 
 
+class PromptCacheLayer(nn.Module):
+    """One layer called as a module two ways: `layer(prompt, vec)` -> (prompt, keys, values) on the prompt rows, and
+    `layer(image, vec, keys, values)` -> image, attending to the image rows and the prompt's keys and values."""
+
+    def __init__(self, dim: int, heads: int, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.mod = operations.Linear(dim, 3 * dim, **ops)
+        self.norm1 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.qkv = operations.Linear(dim, 3 * dim, **ops)
+        self.proj = operations.Linear(dim, dim, **ops)
+        self.norm2 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.mlp_in = operations.Linear(dim, 4 * dim, **ops)
+        self.mlp_out = operations.Linear(4 * dim, dim, **ops)
+
+    def forward(self, rows: torch.Tensor, vec: torch.Tensor, keys: torch.Tensor | None = None,
+                values: torch.Tensor | None = None):
+        shift, gain, gate = self.mod(torch.nn.functional.silu(vec)).unsqueeze(1).chunk(3, dim=-1)
+        q, k, v = self.qkv(self.norm1(rows) * (1 + gain) + shift).chunk(3, dim=-1)
+        prompt_pass = keys is None
+        if not prompt_pass:
+            k, v = torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)
+        rows = rows + gate * self.proj(_attention(q, k, v, self.heads))
+        rows = rows + self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.norm2(rows))))
+        return (rows, k, v) if prompt_pass else rows
+
+
+class PackedBlock(nn.Module):
+    """`forward(rows, vec, spans)` on the samples' rows packed one after another ([samples x tokens, width], no batch
+    dimension); `spans` is a Python list of each sample's (start, stop). It adds its gated residuals into `rows` in
+    place and returns that same tensor."""
+
+    def __init__(self, dim: int, heads: int, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.mod = operations.Linear(dim, 4 * dim, **ops)
+        self.norm1 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.qkv = operations.Linear(dim, 3 * dim, **ops)
+        self.proj = operations.Linear(dim, dim, **ops)
+        self.norm2 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+        self.mlp_in = operations.Linear(dim, 4 * dim, **ops)
+        self.mlp_out = operations.Linear(4 * dim, dim, **ops)
+
+    def forward(self, rows: torch.Tensor, vec: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        modulation = self.mod(torch.nn.functional.silu(vec))
+        per_row = torch.cat([modulation[i:i + 1].expand(stop - start, -1) for i, (start, stop) in enumerate(spans)])
+        shift, gain, gate_attn, gate_mlp = per_row.chunk(4, dim=-1)
+        q, k, v = self.qkv(self.norm1(rows) * (1 + gain) + shift).chunk(3, dim=-1)
+        attended = torch.cat([_attention(q[None, a:b], k[None, a:b], v[None, a:b], self.heads)[0] for a, b in spans])
+        rows.addcmul_(self.proj(attended), gate_attn)
+        rows.addcmul_(self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.norm2(rows)))), gate_mlp)
+        return rows
+
+
+class SparseRows:
+    """A made-up sparse stream: `coords` [rows, 2] (integer sample and position of each row, sample-major) and
+    `feats` [rows, width]; a block makes a new one with `with_feats`, keeping the coordinates."""
+
+    def __init__(self, coords: torch.Tensor, feats: torch.Tensor) -> None:
+        self.coords = coords
+        self.feats = feats
+
+    def with_feats(self, feats: torch.Tensor) -> SparseRows:
+        return SparseRows(self.coords, feats)
+
+    def spans(self) -> list[tuple[int, int]]:
+        counts = torch.bincount(self.coords[:, 0]).tolist()
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [(start, start + count) for start, count in zip(starts, counts, strict=True)]
+
+
+class SparseBlock(PackedBlock):
+    """`forward(rows: SparseRows, vec)` -> a new SparseRows: attention within each sample's rows and an MLP, gated
+    by the sample's modulation (looked up by each row's sample coordinate); the input is left as it was."""
+
+    def forward(self, rows: SparseRows, vec: torch.Tensor) -> SparseRows:
+        shift, gain, gate_attn, gate_mlp = self.mod(torch.nn.functional.silu(vec))[rows.coords[:, 0]].chunk(4, dim=-1)
+        q, k, v = self.qkv(self.norm1(rows.feats) * (1 + gain) + shift).chunk(3, dim=-1)
+        attended = torch.cat([_attention(q[None, a:b], k[None, a:b], v[None, a:b], self.heads)[0]
+                              for a, b in rows.spans()])
+        feats = rows.feats + gate_attn * self.proj(attended)
+        feats = feats + gate_mlp * self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.norm2(feats))))
+        return rows.with_feats(feats)
+
+
+class CrossConditioner(nn.Module):
+    """`forward(rows, other)`: what `rows` take from the other stream's rows (cross-attention), to be added to them."""
+
+    def __init__(self, dim: int, heads: int, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device)
+        self.heads = heads
+        self.norm = operations.LayerNorm(dim, eps=1e-6, **ops)
+        self.q = operations.Linear(dim, dim, **ops)
+        self.kv = operations.Linear(dim, 2 * dim, **ops)
+        self.out = operations.Linear(dim, dim, **ops)
+
+    def forward(self, rows: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        k, v = self.kv(other).chunk(2, dim=-1)
+        return self.out(_attention(self.q(self.norm(rows)), k, v, self.heads))
+
+
+class FusedPair(nn.Module):
+    """A container of a video block, an audio block and their two cross-stream conditioners; it has no forward of
+    its own (the model's forward calls its children)."""
+
+    def __init__(self, dim: int, heads: int, context_dim: int, dtype=None, device=None, operations=None) -> None:
+        super().__init__()
+        ops = dict(dtype=dtype, device=device, operations=operations)
+        self.audio_to_video = CrossConditioner(dim, heads, **ops)
+        self.video_to_audio = CrossConditioner(dim, heads, **ops)
+        self.video_block = MadeUpStage(dim, heads, context_dim, **ops)
+        self.audio_block = MadeUpStage(dim, heads, context_dim, **ops)
+
+
 class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
-    """The made-up variants (`variant`): "side_stack", "methods", "two_lanes" (see the module doc); the patching,
+    """The made-up variants (`variant`): "side_stack", "methods", "two_lanes", "prompt_cache", "packed", "sparse",
+    "fused", "twice" (see
+    the module doc); the patching,
     embeddings and output head are MadeUpDiT's."""
 
     def __init__(self, variant: str, in_channels: int = 4, hidden_size: int = 64, depth: int = 6,
@@ -412,11 +571,23 @@ class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
         self.variant = variant
         self.style_tokens = style_tokens
         self._init_embeddings(in_channels, hidden_size, context_dim, patch_size, 1024, operations, ops)
-        if variant == "two_lanes":
+        if variant in ("two_lanes", "prompt_cache"):
             self.prompt_in = operations.Linear(context_dim, hidden_size, **ops)
-            self.layers = nn.ModuleList([TwoLaneLayer(hidden_size, num_heads, operations=operations, **ops)
+            layer = TwoLaneLayer if variant == "two_lanes" else PromptCacheLayer
+            self.layers = nn.ModuleList([layer(hidden_size, num_heads, operations=operations, **ops)
                                          for _ in range(depth)])
+            self.prompt_cache: list[tuple[torch.Tensor, list]] = []  # (prompt, per layer (keys, values)), one run's
+        elif variant == "packed":
+            self.rows = nn.ModuleList([PackedBlock(hidden_size, num_heads, operations=operations, **ops)
+                                       for _ in range(depth)])
+        elif variant == "sparse":
+            self.sparse_blocks = nn.ModuleList([SparseBlock(hidden_size, num_heads, operations=operations, **ops)
+                                                for _ in range(depth)])
         else:
+            if variant == "fused":
+                self.audio_in = operations.Linear(context_dim, hidden_size, **ops)
+                self.fusion_blocks = nn.ModuleList([FusedPair(hidden_size, num_heads, context_dim,
+                                                              operations=operations, **ops) for _ in range(2)])
             stage = MethodStage if variant == "methods" else MadeUpStage
             self.stages = nn.ModuleList([stage(hidden_size, num_heads, context_dim, operations=operations, **ops)
                                          for _ in range(depth)])
@@ -440,11 +611,60 @@ class MadeUpVariantDiT(_PatchTransformerIO, nn.Module):
             for layer in self.layers:
                 prompt, keys, values = layer.prompt_pass(prompt, vec)
                 tokens = layer.image_pass(tokens, vec, keys, values)
+        elif self.variant == "prompt_cache":
+            tokens = self._through_prompt_cache(tokens, vec, context)
+        elif self.variant == "packed":
+            samples, length = tokens.shape[:2]
+            spans = [(i * length, (i + 1) * length) for i in range(samples)]
+            rows = tokens.reshape(samples * length, -1).clone()
+            for block in self.rows:
+                rows = block(rows, vec, spans)
+            tokens = rows.reshape(samples, length, -1)
+        elif self.variant == "sparse":
+            samples, length = tokens.shape[:2]
+            positions = torch.arange(samples * length, device=tokens.device)
+            sparse = SparseRows(torch.stack([positions // length, positions % length], dim=1),
+                                tokens.reshape(samples * length, -1))
+            for block in self.sparse_blocks:
+                sparse = block(sparse, vec)
+            tokens = sparse.feats.reshape(samples, length, -1)
         else:
-            for i, stage in enumerate(self.stages):
-                enter = stage.denoise if self.variant == "methods" else stage
-                tokens, _aux = enter(vec, tokens, scale=self.stage_scales[i], context=context)
+            if self.variant == "fused":
+                tokens = self._through_fusion_blocks(tokens, vec, context)
+            for _ in range(2 if self.variant == "twice" else 1):
+                for i, stage in enumerate(self.stages):
+                    enter = stage.denoise if self.variant == "methods" else stage
+                    tokens, _aux = enter(vec, tokens, scale=self.stage_scales[i], context=context)
         return self._head(tokens, x.shape)
+
+
+    def _through_fusion_blocks(self, video: torch.Tensor, vec: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """The video and audio streams through each FusedPair's children, interleaved (Prism's fusion blocks)."""
+        audio = self.audio_in(context)
+        for fused in self.fusion_blocks:
+            before = video
+            video = video + fused.audio_to_video(video, audio)
+            audio = audio + fused.video_to_audio(audio, before)
+            video, _aux = fused.video_block(vec, video, scale=1.0, context=context)
+            audio, _aux = fused.audio_block(vec, audio, scale=1.0, context=context)
+        return video
+
+    def _through_prompt_cache(self, tokens: torch.Tensor, vec: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """The layers on the image rows; a prompt not seen yet in this sampling run first goes through every layer
+        on its own rows (before that layer's image rows), and its keys and values are kept for the run's later
+        calls (the pattern of ComfyUI 0.38.1's Qwen-Image 2.1, which keeps its prompt's keys and values)."""
+        kept = next((per_layer for prompt, per_layer in self.prompt_cache
+                     if prompt.shape == context.shape and torch.equal(prompt, context)), None)
+        prompt = None
+        if kept is None:
+            kept, prompt = [], self.prompt_in(context)
+            self.prompt_cache.append((context.clone(), kept))
+        for i, layer in enumerate(self.layers):
+            if prompt is not None:
+                prompt, keys, values = layer(prompt, vec)
+                kept.append((keys, values))
+            tokens = layer(tokens, vec, *kept[i])
+        return tokens
 
 
 def _made_up_net(variant: str | None = None, **config) -> nn.Module:
@@ -466,6 +686,19 @@ def _made_up_config() -> type:
         class MadeUpModel(comfy.model_base.BaseModel):
             def __init__(self, model_config, model_type=comfy.model_base.ModelType.FLOW, device=None):
                 super().__init__(model_config, model_type, device=device, unet_model=_made_up_net)
+
+            @property
+            def current_patcher(self):
+                return self.__dict__.get("_current_patcher")
+
+            @current_patcher.setter
+            def current_patcher(self, patcher) -> None:
+                # ModelPatcher sets it when a sampling run starts and clears it when the run ends: a prompt cache
+                # lives for one run
+                self.__dict__["_current_patcher"] = patcher
+                net = self.__dict__.get("_modules", {}).get("diffusion_model")
+                if getattr(net, "prompt_cache", None) is not None:
+                    net.prompt_cache.clear()
 
         class MadeUp(comfy.supported_models_base.BASE):
             unet_config = {"image_model": "made_up"}
@@ -526,6 +759,12 @@ def block_stack(kind: str) -> str:
     """Dotted path of the family's main block container on `model.model.diffusion_model` (see the module doc for
     how its forward reaches the blocks)."""
     return _spec(kind).block_stack
+
+
+def counts_block_call(kind: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a module call of a main-stack block counts as one of the stack's block calls (made_up_prompt_cache:
+    its image-row calls; the prompt rows run once per sampling run, cached or not)."""
+    return _spec(kind).counted != "image rows" or len(args) + len(kwargs) > 2
 
 
 def block_entry(kind: str) -> str:

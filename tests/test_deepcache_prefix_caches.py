@@ -159,3 +159,30 @@ def test_hidream_o1_refilling_its_cache_on_a_cached_step_runs_every_layer(deepca
     refill = [kind for _, _, kind in log.calls[calls[2]:calls[3]]]
     assert refill == ["prompt fill"] * LAYERS  # every layer ran for the refill on the cached step
     assert torch.isfinite(out).all()
+
+
+def test_qwen_image21_through_discovery_alone_gives_the_tables_latent(deepcache, families, monkeypatch):
+    """With the family table emptied, discovery meets Qwen-Image 2.1's first call running every block twice as a
+    module (the prompt rows, then the image rows): it caches the image-row calls, lets the prompt-row ones run as
+    they are (their arguments' shapes tell them apart), and from the second run gives the table's latent bit for
+    bit with the table's block calls; the first run costs one cached call more (two blocks), interval 1 is the
+    model alone. (Wider than the other tests' model, so that its blocks hold most of its weights.)"""
+    import importlib
+
+    model = prefix_models.build_qwen_image21(layers=8, num_attention_heads=4, attention_head_dim=32,
+                                             axes_dims_rope=(8, 12, 12))
+    log = BlockLog(model, "qwen_image21")
+    plain = _run(model, "qwen_image21", steps=6)
+    log.calls.clear()
+    table = _run(deepcache.apply_deepcache(model, 3, 1), "qwen_image21", steps=6)
+    table_calls = len(log.calls)
+    monkeypatch.setattr(importlib.import_module("comfyui_int8_accel.nodes.deepcache.families"), "FAMILIES", ())
+    assert torch.equal(_run(deepcache.apply_deepcache(model, 1, 1), "qwen_image21", steps=6), plain)
+    found = deepcache.apply_deepcache(model, 3, 1)
+    log.calls.clear()
+    _run(found, "qwen_image21", steps=6)
+    first_calls = len(log.calls)
+    log.calls.clear()
+    assert torch.equal(_run(found, "qwen_image21", steps=6), table)
+    assert len(log.calls) == table_calls and first_calls == table_calls + 2, (first_calls, len(log.calls))
+    assert log.kinds()["prompt"] == 8  # the prompt rows still once per run, as they are

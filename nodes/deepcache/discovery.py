@@ -9,17 +9,21 @@ checked against the uncached model.
   lyric tokens, however many parameters it holds) or that never ran is left out, and the summary says so.
 - Learned on the same call, with the model run as it is: how the forward enters each block (a module call, or
   a method of the block's class, as `layer.forward_generation(x, ...)`; a `patches_replace["dit"]` patch's
-  `original_block` calls the module), the order the blocks run in (each exactly once), and for each stack which of
+  `original_block` calls the module; where it enters each block more than once, by two methods or twice as a
+  module as Qwen-Image 2.1's first call does on the prompt rows and then the image rows, the heaviest lane is
+  cached and the other calls, told apart by method or by their arguments' shapes, run as they are), the order
+  the blocks run in (each exactly once per lane), and for each stack which of
   a block's outputs the next block takes, at which argument (by identity: the very tensor, passed on unchanged;
   else the one argument of its shape, where the forward reshapes the stream between blocks). Those are the stack's
   streams; what a block returns after them goes back to the forward as it came. A block output that a later block
   takes outside its streams (a long skip, as HunyuanDiT's) makes every middle block its own segment, so each
   skipped block hands on its own output. That call also keeps copies of the inputs and outputs the first step's
-  residuals are taken from, so it captures as a capturing call would.
+  residuals are taken from, and with long skips every block's own residual, so it captures as a capturing call
+  would and the first run costs one cached call more than the next (a fraction of a forward).
 - Checked, on the same call's inputs: serving the captured residuals through DeepCache's stand-ins must give the
-  uncached output within rounding (where the first call could not capture, as with long skips, a capturing call
-  through the stand-ins must also give it bit for bit). A model that fails runs uncached, and the run's summary
-  says which stacks were tried and why.
+  uncached output within rounding (where the first call kept too few copies, as when a long skip starts at a
+  block after the first middle ones, a capturing call through the stand-ins must also give it bit for bit). A
+  model that fails runs uncached, and the run's summary says which stacks were tried and why.
 - Kept: what was learned is kept for that diffusion model object (weakly) and its input shapes, across node
   executions and prompts; a DeepCache node with other settings reuses it (a new cache_depth is checked again, on
   a call that is the step's own capture).
@@ -41,9 +45,10 @@ import torch
 from ..block_stacks import MIN_TOTAL_SHARE, FoundStack, parameter_count, stack_members
 from .dit import block_swap
 from .families import BlockStack, Family, supported_names
-from .recording import BlockCall, Place, Recording, record_block_calls
+from .recording import BlockCall, Place, Recording, record_block_calls, shapes_signature, stream_places
 from .segments import BlockPlace, middle_places
 from .steps import WRAPPER_KEY, FeatureCache, Mode, ModelCall, active_call, active_run, chunk_signature, scratch_call
+from .stream_objects import difference, first_tensor, named_parts
 
 log = logging.getLogger("int8_accel.deepcache")
 
@@ -72,10 +77,12 @@ def _parameter_names(block: torch.nn.Module, entry: str) -> list[str]:
     return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def learn_family(diffusion_model: torch.nn.Module, stacks: list[FoundStack],
-                 calls: list[BlockCall]) -> tuple[Family, list[tuple[int, int]], bool, list[list[Place]]]:
+def learn_family(diffusion_model: torch.nn.Module, stacks: list[FoundStack], calls: list[BlockCall],
+                 passes: list[Callable | None] | None = None
+                 ) -> tuple[Family, list[tuple[int, int]], bool, list[list[Place]]]:
     """(the family the calls show, its block layout in execution order, whether a block output skips ahead, where
-    each stack's streams enter its blocks)."""
+    each stack's streams enter its blocks). `calls`: one lane per stack; `passes`: per stack, what tells the
+    forward's other module calls of its blocks (which run as they are), or None."""
     seen = [(call.stack, call.index) for call in calls]
     if len(set(seen)) != len(seen):
         repeated = next(key for key in seen if seen.count(key) > 1)
@@ -101,24 +108,12 @@ def learn_family(diffusion_model: torch.nn.Module, stacks: list[FoundStack],
                           for position, keyword in mappings[number])
         extra = max(len(calls[n].outputs) for n in numbered[number]) - len(mappings[number])
         block_stacks.append(BlockStack(stack.path, tuple(f"stream{n}" for n in range(len(mappings[number]))),
-                                       arguments=arguments, extra_outputs=extra, method=entry or None))
+                                       arguments=arguments, extra_outputs=extra, method=entry or None,
+                                       whole_pass=passes[number] if passes else None))
     long_skip = _long_skip(calls, mappings)
     cls = type(diffusion_model)
     family = Family(f"{cls.__name__} (found)", cls.__module__, cls.__name__, tuple(block_stacks))
     return family, seen, long_skip, mappings
-
-
-def _handed_on(calls: list[BlockCall], previous: int, nxt: int, k: int, taken: list[Place]) -> Place | None:
-    """Where call `nxt` took output `k` of call `previous`: the very tensor, else the one argument of its shape
-    (the forward reshaped the stream between blocks, as HiDream swaps the prompt rows it appends)."""
-    for place, source in calls[nxt].sources.items():
-        if source == (previous, k):
-            return place
-    shape = calls[previous].outputs[k]
-    if shape is None:
-        return None
-    alike = [place for place, argument in calls[nxt].arguments.items() if argument == shape and place not in taken]
-    return alike[0] if len(alike) == 1 else None
 
 
 def _stream_places(stack: FoundStack, calls: list[BlockCall], numbers: list[int]) -> list[Place]:
@@ -127,12 +122,7 @@ def _stream_places(stack: FoundStack, calls: list[BlockCall], numbers: list[int]
         raise LearnFailed(f"{stack.path} ran one block only")
     mapping = None
     for previous, nxt in zip(numbers, numbers[1:], strict=False):
-        places: list[Place] = []
-        for k in range(len(calls[previous].outputs)):
-            place = _handed_on(calls, previous, nxt, k, places)
-            if place is None:
-                break
-            places.append(place)
+        places = stream_places(calls, previous, nxt)
         if mapping is None:
             mapping = places
         elif places != mapping:
@@ -157,19 +147,37 @@ def _percent(share: float) -> str:
     return f"{100 * share:.0f}%" if share >= 0.01 or share == 0 else "<1%"
 
 
+Lane = tuple[str, int]  # (entry: "" a module call, else the method; occurrence: the block's how-manieth entry so)
+
+
+def _lane_name(lane: Lane) -> str:
+    entry, occurrence = lane
+    return f".{entry}()" if entry else f"module call no. {occurrence + 1} per block"
+
+
 @dataclass(frozen=True)
 class StackCompute:
     stack: FoundStack
     share: float  # of the model call's multiply-accumulates (of its parameters where no weighted layer ran)
     ran: bool
-    entry: str = ""  # the method the forward entered its blocks by ("" a module call)
-    as_is: tuple[str, ...] = ()  # other ways the forward entered them, whose calls run as they are
+    lane: Lane = ("", 0)  # how the forward entered the blocks for the calls cached
+    as_is: tuple[Lane, ...] = ()  # other ways (or times) the forward entered them, whose calls run as they are
+    children: tuple[str, ...] = ()  # children of its blocks the forward called itself (where the blocks never ran)
+
+    @property
+    def entry(self) -> str:
+        return self.lane[0]
 
     def describe(self, measured: str) -> str:
         how = f", entered by .{self.entry}()" if self.entry else ""
-        if self.as_is:
-            how += ", its " + " and ".join(f".{entry}()" if entry else "module" for entry in self.as_is) + \
-                " calls run as they are"
+        module_lanes = [lane for lane in self.as_is if not lane[0]]
+        if not self.entry and module_lanes:  # Qwen-Image 2.1's first call: the prompt rows, then the image rows
+            how += (f", cached on the {_lane_name(self.lane)}; the "
+                    + " and ".join(_lane_name(lane) for lane in module_lanes)
+                    + " (other shapes) run as they are")
+        other = [lane for lane in self.as_is if lane[0]]
+        if other:
+            how += ", its " + " and ".join(_lane_name(lane) for lane in other) + " calls run as they are"
         return (f"{self.stack.path} ({self.stack.blocks} x {self.stack.block_class}, {_percent(self.share)} of "
                 f"the {measured}, {_percent(self.stack.share)} of the parameters{how})")
 
@@ -178,14 +186,15 @@ def choose_by_compute(net: torch.nn.Module, candidates: list[FoundStack],
                       recording: Recording) -> tuple[list[int], list[StackCompute], str]:
     """(the candidates cached, every candidate's compute, what was measured): the stacks doing at least
     MIN_COMPUTE_SHARE of the call's work, in module order. Where the forward enters a stack's blocks in more than
-    one way (SenseNova U1.5's `forward_prefix` on the prompt, then `forward_generation` on the image, per block),
-    the way doing most of the work is cached and the others run as they are."""
+    one way (SenseNova U1.5's `forward_prefix` on the prompt, then `forward_generation` on the image, per block) or
+    more than once the same way (Qwen-Image 2.1's first call: the prompt rows, then the image rows), the lane doing
+    most of the work is cached and the others run as they are."""
     ran = {call.stack for call in recording.calls}
-    lanes: dict[int, dict[str, int]] = {}  # stack -> entry -> multiply-accumulates
+    lanes: dict[int, dict[Lane, int]] = {}  # stack -> lane -> multiply-accumulates
     for call in recording.calls:
         lane = lanes.setdefault(call.stack, {})
-        lane[call.entry] = lane.get(call.entry, 0) + call.macs
-    entries = {stack: max(lane, key=lane.get) for stack, lane in lanes.items()}
+        lane[call.lane] = lane.get(call.lane, 0) + call.macs
+    heaviest = {stack: max(lane, key=lane.get) for stack, lane in lanes.items()}
     if recording.total_macs:
         shares = [macs / recording.total_macs for macs in recording.macs]
         measured = "model call's compute"
@@ -193,20 +202,40 @@ def choose_by_compute(net: torch.nn.Module, candidates: list[FoundStack],
         total = parameter_count(net) or 1
         shares = [parameter_count(net.get_submodule(stack.path)) / total for stack in candidates]
         measured = "parameters (no compute was measured)"
-    computes = [StackCompute(stack, shares[n], n in ran, entries.get(n, ""),
-                             tuple(entry for entry in lanes.get(n, {}) if entry != entries.get(n)))
+    computes = [StackCompute(stack, shares[n], n in ran, heaviest.get(n, ("", 0)),
+                             tuple(lane for lane in lanes.get(n, {}) if lane != heaviest.get(n)),
+                             tuple(recording.children.get(n, ())) if n not in ran else ())
                 for n, stack in enumerate(candidates)]
     chosen = [n for n, compute in enumerate(computes) if compute.ran and compute.share >= MIN_COMPUTE_SHARE]
     return chosen, computes, measured
 
 
+def _other_module_calls(recording: Recording, stack: int, lane: Lane) -> Callable[[tuple, dict], bool] | None:
+    """A stack's `whole_pass`: where the forward also calls its blocks as modules outside the cached lane (Qwen-Image
+    2.1's prompt rows), whether a call is one of those, told by its arguments' shapes (LearnFailed where the cached
+    lane's calls look the same)."""
+    other = {call.signature() for call in recording.calls
+             if call.stack == stack and call.entry == "" and call.lane != lane}
+    if not other or lane[0]:
+        return None  # a stand-in answers only the method it caches; module calls then reach the block as they are
+    cached = {call.signature() for call in recording.calls if call.stack == stack and call.lane == lane}
+    if other & cached:
+        raise LearnFailed("the forward calls its blocks more than once per model call with arguments of the same "
+                          "shapes, so the calls DeepCache may skip cannot be told from the others")
+    return lambda args, kwargs: shapes_signature(args, kwargs) in other
+
+
+def _why_left_out(compute: StackCompute) -> str:
+    if compute.children:  # Prism: containers whose children the forward calls one by one, interleaving streams
+        called = ", ".join(f".{name}" for name in compute.children)
+        return (f"never ran as blocks: the forward calls their children ({called}) itself, which DeepCache does "
+                "not reach")
+    return "never ran" if not compute.ran else f"under {_percent(MIN_COMPUTE_SHARE)} of the call's compute"
+
+
 def _left_out(computes: list[StackCompute], chosen: list[int], measured: str) -> str:
-    reasons = []
-    for n, compute in enumerate(computes):
-        if n in chosen:
-            continue
-        why = "never ran" if not compute.ran else f"under {_percent(MIN_COMPUTE_SHARE)} of the call's compute"
-        reasons.append(f"{compute.describe(measured)}: {why}")
+    reasons = [f"{compute.describe(measured)}: {_why_left_out(compute)}"
+               for n, compute in enumerate(computes) if n not in chosen]
     return "; left out: " + ", ".join(reasons) if reasons else ""
 
 
@@ -253,7 +282,9 @@ def forget(diffusion_model: torch.nn.Module) -> None:
 
 
 def _input_shapes(args: tuple, kwargs: dict) -> tuple:
-    def shape(value):
+    def shape(value):  # a list or tuple of tensors (MiniMax H3 takes [video, audio]) by its tensors' shapes
+        if isinstance(value, (list, tuple)):
+            return tuple(shape(part) for part in value)
         return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
 
     return (tuple(shape(a) for a in args), tuple(sorted((k, shape(v)) for k, v in kwargs.items()
@@ -268,17 +299,19 @@ def _learn_model(net: torch.nn.Module, candidates: list[FoundStack],
     cls = type(net).__name__
     stacks = [candidates[n] for n in chosen]
     kept = recording.keep([n for n, call in enumerate(recording.calls)
-                           if call.stack in chosen and call.entry == computes[call.stack].entry])
+                           if call.stack in chosen and call.lane == computes[call.stack].lane])
     for call in kept.calls:
         call.stack = chosen.index(call.stack)
     if not chosen:
         tried = ", ".join(compute.describe(measured) for compute in computes)
         failure = (f"DeepCache ran {cls} uncached: none of the blocks it found ({tried}) does "
-                   f"{_percent(MIN_COMPUTE_SHARE)} of the model call's compute")
+                   f"{_percent(MIN_COMPUTE_SHARE)} of the model call's compute as blocks it reaches ("
+                   + "; ".join(f"{compute.stack.path}: {_why_left_out(compute)}" for compute in computes) + ")")
         return ModelRecord([], None, [], False, [], tried, "", failure), kept
     cached = ", ".join(computes[n].describe(measured) for n in chosen)
     try:
-        family, layout, long_skip, streams = learn_family(net, stacks, kept.calls)
+        passes = [_other_module_calls(recording, n, computes[n].lane) for n in chosen]
+        family, layout, long_skip, streams = learn_family(net, stacks, kept.calls, passes)
     except LearnFailed as why:
         failure = f"DeepCache ran {cls} uncached: the blocks it found ({cached}) did not reproduce the model: {why}"
         return ModelRecord(stacks, None, [], False, [], cached, left_out, failure), kept
@@ -288,9 +321,8 @@ def _learn_model(net: torch.nn.Module, candidates: list[FoundStack],
 def _capture_from_recording(recording: Recording, record: ModelRecord, places: dict[tuple[int, int], BlockPlace],
                             cache: FeatureCache, chunk_ids: list, step: float) -> bool:
     """Put in `cache` the residuals a capturing call through the stand-ins would have put, from the copies the
-    recorded call kept; False where it kept too few (every middle block its own segment, as with long skips)."""
-    if record.long_skip:
-        return False
+    recorded call kept (a segment of one block, as every middle block is with long skips, from that block's own
+    residual); False where it kept too few."""
     number = {(call.stack, call.index): n for n, call in enumerate(recording.calls)}
     starts, ends, first = {}, {}, None
     for key, place in places.items():
@@ -301,24 +333,34 @@ def _capture_from_recording(recording: Recording, record: ModelRecord, places: d
         if place.resolves_call:
             first = key
     first_inputs = recording.inputs.get(number.get(first, -1))
-    if first is None or not first_inputs:
+    first_own = recording.residuals.get(number.get(first, -1))
+    if first is None or not (first_inputs or first_own):
         return False
-    first_stream = next((first_inputs.get(place) for place in record.streams[first[0]]
-                         if first_inputs.get(place) is not None), None)
+    first_stream = next((first_tensor(first_inputs.get(place)) for place in record.streams[first[0]]
+                         if first_inputs.get(place) is not None), None) if first_inputs else None
+    if first_stream is None and first_own is not None:  # the stream's shape is its residual's
+        first_stream = next((first_tensor(value) for value in first_own[1] if value is not None), None)
     if first_stream is None:
         return False
     signature = chunk_signature(first_stream, len(chunk_ids))
     residuals = []
     for segment, start in starts.items():
+        streams = record.streams[start[0]]
         inputs, outputs = recording.inputs.get(number[start]), recording.outputs.get(number[ends[segment]])
+        own = recording.residuals.get(number[start]) if start == ends[segment] else None
+        if own is not None and own[0] == streams:
+            residuals += [part for k, value in enumerate(own[1]) if value is not None
+                          for part in named_parts(f"{segment}.stream{k}", value).items()]
+            continue
         if inputs is None or outputs is None:
             return False
-        for k, place in enumerate(record.streams[start[0]]):
+        for k, place in enumerate(streams):
             value = outputs[k] if k < len(outputs) else None
             if place not in inputs or value is None:
                 return False
-            if inputs[place].shape == value.shape:
-                residuals.append((f"{segment}.stream{k}", value - inputs[place]))
+            residual = difference(value, inputs[place])
+            if residual is not None:
+                residuals += list(named_parts(f"{segment}.stream{k}", residual).items())
     for name, residual in residuals:
         cache.put(chunk_ids, signature, name, residual, step)
     return True

@@ -25,6 +25,7 @@ from ..wrapper_args import wrapper_arg
 from .families import BlockStack, Family
 from .segments import BlockPlace, Streams, middle_places, run_middle_block, run_whole_block
 from .steps import WRAPPER_KEY, Mode, active_call
+from .stream_objects import named_parts, tensor_fields, with_fields
 
 
 def uncached_message(diffusion_model) -> str:
@@ -163,10 +164,15 @@ class CachedBlock(torch.nn.Module):
             if not self.stack.captures_whole_pass or (call is not None and call.mode is Mode.CACHED):
                 return run_whole_block(lambda: block(*args, **kwargs))
         streams = {}
+        # a stream that is an object holding tensors (TRELLIS.2's SparseTensor) is carried as its fields
+        # ("stream0.feats"); what a block hands on is rebuilt on the object it returned, else the one it took
+        objects = {}
         for name, (position, keyword) in zip(self.stack.streams, self.stack.arguments, strict=True):
             value = args[position] if len(args) > position else kwargs.get(keyword)
             if value is not None:
-                streams[name] = value
+                if not isinstance(value, torch.Tensor) and tensor_fields(value):
+                    objects[name] = value
+                streams.update(named_parts(name, value))
         count = len(self.stack.streams)
         extras = [None] * self.stack.extra_outputs
 
@@ -174,11 +180,25 @@ class CachedBlock(torch.nn.Module):
             out = block(*args, **kwargs)
             values = out if isinstance(out, tuple) else (out,)
             extras[:] = values[count:]
-            return dict(zip(self.stack.streams, values[:count], strict=True))
+            flat = {}
+            for name, value in zip(self.stack.streams, values[:count], strict=True):
+                if name in objects and value is not None:
+                    objects[name] = value
+                    flat.update(named_parts(name, value))
+                else:
+                    flat[name] = value
+            return flat
 
         out = run_middle_block(self.place, streams, run_block, self.stack.trailing_rows)
-        values = tuple(out[name] for name in self.stack.streams) + tuple(extras)
+        values = tuple(_rebuilt(name, objects[name], out) if name in objects else out[name]
+                       for name in self.stack.streams) + tuple(extras)
         return values if len(values) > 1 else values[0]
+
+
+def _rebuilt(name: str, template, flat: Streams):
+    """Stream `name` as an object like `template`, its fields the values `flat` holds for them."""
+    prefix = name + "."
+    return with_fields(template, {key[len(prefix):]: value for key, value in flat.items() if key.startswith(prefix)})
 
 
 def _like(container: torch.nn.Module, blocks: list[torch.nn.Module]) -> torch.nn.Module:

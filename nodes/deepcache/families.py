@@ -11,6 +11,8 @@ stack is reached one of two ways:
   block returns its streams in `streams` order (a tensor when there is one).
 
 A stream may be a tuple of tensors (LTX-2 passes video and audio as one "img"); each part is cached on its own.
+On a swapped list, a stream may also be an object holding tensors (TRELLIS.2's SparseTensor), cached per
+floating-point field (`stream_objects`).
 `post_hooks` names the list in `transformer_options["patches"]` the forward runs after every block
 (`{"img": ..., "block_index": i, ...}`, as ComfyUI 0.38's Lumina, Qwen-Image 2.1 and Wan do).
 
