@@ -83,23 +83,23 @@ def test_lora_before_or_after_the_full_stack_takes_effect(server, sd15_checkpoin
     stack_plain = _image(server, plain, summary.history)
     # A new LoRA calibrates on its first run (INT8 copies of the LoRA-merged layers for that run); from the next
     # queue the MODEL owns INT8 layers built from the original weights, into which ComfyUI merges the LoRA, wherever
-    # the LoRA stands in the graph: the second run of each order is what the order must not change.
+    # the LoRA stands in the graph (the same weights and patches either way: the same decision). So `after` and
+    # `before_owned` both run owned layers, and they are what the order must not change.
     before = _image(server, _prompt(sd15_checkpoint, lora_name, where="before"))
     after = _image(server, _prompt(sd15_checkpoint, lora_name, where="after"))
     before_owned = _image(server, _prompt(sd15_checkpoint, lora_name, where="before"))
-    after_owned = _image(server, _prompt(sd15_checkpoint, lora_name, where="after"))
     print({name: round(float(_psnr(a, b)), 1) for name, (a, b) in {
         "before~eager_lora": (before, eager_lora), "before~eager_plain": (before, eager_plain),
         "after~eager_lora": (after, eager_lora), "stack_plain~eager_plain": (stack_plain, eager_plain),
         "stack_plain~eager_lora": (stack_plain, eager_lora), "before~after": (before, after),
-        "owned before~after": (before_owned, after_owned)}.items()})
+        "owned before~after": (before_owned, after)}.items()})
     # the accelerated image with the LoRA follows the eager LoRA image, not the plain one
     assert _psnr(before, eager_lora) > _psnr(before, eager_plain) + 3
     assert _psnr(after, eager_lora) > _psnr(after, eager_plain) + 3
     assert _psnr(stack_plain, eager_plain) > _psnr(stack_plain, eager_lora) + 3
     assert _psnr(before_owned, eager_lora) > _psnr(before_owned, eager_plain) + 3
     # and the order of the LoRA and the pack's nodes does not matter
-    assert _psnr(before_owned, after_owned) > 40
+    assert _psnr(before_owned, after) > 40
 
     # a strength change on the accelerated model is honoured too (and the shared model is not left patched)
     half = _image(server, _prompt(sd15_checkpoint, lora_name, where="after", strength=0.5))
