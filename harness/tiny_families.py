@@ -226,6 +226,18 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) ->
     return out.transpose(1, 2).reshape(b, n, d)
 
 
+def _add_gated_attention_mlp(block: nn.Module, dim: int, modulation_chunks: int, ops: dict, operations) -> None:
+    """The layers of a gated self-attention + MLP block, registered on `block` in one order (its seeded weights
+    depend on it): modulation, norm, qkv, projection, norm, MLP."""
+    block.mod = operations.Linear(dim, modulation_chunks * dim, **ops)
+    block.norm1 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+    block.qkv = operations.Linear(dim, 3 * dim, **ops)
+    block.proj = operations.Linear(dim, dim, **ops)
+    block.norm2 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
+    block.mlp_in = operations.Linear(dim, 4 * dim, **ops)
+    block.mlp_out = operations.Linear(4 * dim, dim, **ops)
+
+
 class MadeUpStage(nn.Module):
     """Self-attention, cross-attention and MLP; `forward(cond_vec, tokens, scale=..., context=...)` returns
     `(tokens, aux)` where `aux` (a per-sample energy) is a by-product the next stage does not take."""
@@ -414,13 +426,7 @@ class TwoLaneLayer(nn.Module):
         self.heads = heads
         self.prompt_qkv = operations.Linear(dim, 3 * dim, **ops)
         self.prompt_out = operations.Linear(dim, dim, **ops)
-        self.mod = operations.Linear(dim, 3 * dim, **ops)
-        self.norm1 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
-        self.qkv = operations.Linear(dim, 3 * dim, **ops)
-        self.proj = operations.Linear(dim, dim, **ops)
-        self.norm2 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
-        self.mlp_in = operations.Linear(dim, 4 * dim, **ops)
-        self.mlp_out = operations.Linear(4 * dim, dim, **ops)
+        _add_gated_attention_mlp(self, dim, 3, ops, operations)
 
     def prompt_pass(self, prompt: torch.Tensor, vec: torch.Tensor):
         q, k, v = self.prompt_qkv(prompt).chunk(3, dim=-1)
@@ -446,13 +452,7 @@ class PromptCacheLayer(nn.Module):
         super().__init__()
         ops = dict(dtype=dtype, device=device)
         self.heads = heads
-        self.mod = operations.Linear(dim, 3 * dim, **ops)
-        self.norm1 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
-        self.qkv = operations.Linear(dim, 3 * dim, **ops)
-        self.proj = operations.Linear(dim, dim, **ops)
-        self.norm2 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
-        self.mlp_in = operations.Linear(dim, 4 * dim, **ops)
-        self.mlp_out = operations.Linear(4 * dim, dim, **ops)
+        _add_gated_attention_mlp(self, dim, 3, ops, operations)
 
     def forward(self, rows: torch.Tensor, vec: torch.Tensor, keys: torch.Tensor | None = None,
                 values: torch.Tensor | None = None):
@@ -475,13 +475,7 @@ class PackedBlock(nn.Module):
         super().__init__()
         ops = dict(dtype=dtype, device=device)
         self.heads = heads
-        self.mod = operations.Linear(dim, 4 * dim, **ops)
-        self.norm1 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
-        self.qkv = operations.Linear(dim, 3 * dim, **ops)
-        self.proj = operations.Linear(dim, dim, **ops)
-        self.norm2 = operations.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **ops)
-        self.mlp_in = operations.Linear(dim, 4 * dim, **ops)
-        self.mlp_out = operations.Linear(4 * dim, dim, **ops)
+        _add_gated_attention_mlp(self, dim, 4, ops, operations)
 
     def forward(self, rows: torch.Tensor, vec: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
         modulation = self.mod(torch.nn.functional.silu(vec))
