@@ -85,6 +85,14 @@ class FamilySpec(NamedTuple):
     counted: str = ""  # "image rows": only the module calls on the image rows count as the stack's block calls
 
 
+def _made_up_variant(variant: str, block_stack: str, latent_shape: tuple[int, ...] = (4, 8, 8),
+                     **spec: str) -> FamilySpec:
+    """A variant of the made-up model at its standard size (6 blocks 64 wide, 2 heads, patch 2)."""
+    config = {"image_model": "made_up", "variant": variant, "in_channels": 4, "hidden_size": 64, "depth": 6,
+              "num_heads": 2, "context_dim": 64, "patch_size": 2}
+    return FamilySpec("MadeUp", config, latent_shape, 64, 8, block_stack, **spec)
+
+
 NEW_FAMILIES: dict[str, FamilySpec] = {
     # MMDiT: 2 double (joint) blocks then 6 single blocks; max_seq must be a square (8x8 patches = 16x16 latent)
     "auraflow": FamilySpec("AuraFlow", {
@@ -176,35 +184,15 @@ NEW_FAMILIES: dict[str, FamilySpec] = {
         "num_heads": 2, "context_dim": 64, "patch_size": 1, "style_width": 192, "style_depth": 12,
         "style_tokens": 2},
         (4, 16, 32), 64, 8, "stages"),
-    "made_up_methods": FamilySpec("MadeUp", {
-        "image_model": "made_up", "variant": "methods", "in_channels": 4, "hidden_size": 64, "depth": 6,
-        "num_heads": 2, "context_dim": 64, "patch_size": 2},
-        (4, 8, 8), 64, 8, "stages", entry="denoise"),
-    "made_up_two_lanes": FamilySpec("MadeUp", {
-        "image_model": "made_up", "variant": "two_lanes", "in_channels": 4, "hidden_size": 64, "depth": 6,
-        "num_heads": 2, "context_dim": 64, "patch_size": 2},
-        (4, 8, 8), 64, 8, "layers", entry="image_pass"),
+    "made_up_methods": _made_up_variant("methods", "stages", entry="denoise"),
+    "made_up_two_lanes": _made_up_variant("two_lanes", "layers", entry="image_pass"),
     # 64 image rows through each layer per call; the 8 prompt rows once per sampling run, by the same module
-    "made_up_prompt_cache": FamilySpec("MadeUp", {
-        "image_model": "made_up", "variant": "prompt_cache", "in_channels": 4, "hidden_size": 64, "depth": 6,
-        "num_heads": 2, "context_dim": 64, "patch_size": 2},
-        (4, 16, 16), 64, 8, "layers", counted="image rows"),
-    "made_up_twice": FamilySpec("MadeUp", {
-        "image_model": "made_up", "variant": "twice", "in_channels": 4, "hidden_size": 64, "depth": 6,
-        "num_heads": 2, "context_dim": 64, "patch_size": 2},
-        (4, 8, 8), 64, 8, "stages"),
-    "made_up_packed": FamilySpec("MadeUp", {
-        "image_model": "made_up", "variant": "packed", "in_channels": 4, "hidden_size": 64, "depth": 6,
-        "num_heads": 2, "context_dim": 64, "patch_size": 2},
-        (4, 8, 8), 64, 8, "rows"),
-    "made_up_sparse": FamilySpec("MadeUp", {
-        "image_model": "made_up", "variant": "sparse", "in_channels": 4, "hidden_size": 64, "depth": 6,
-        "num_heads": 2, "context_dim": 64, "patch_size": 2},
-        (4, 8, 8), 64, 8, "sparse_blocks"),
-    "made_up_fused": FamilySpec("MadeUp", {
-        "image_model": "made_up", "variant": "fused", "in_channels": 4, "hidden_size": 64, "depth": 6,
-        "num_heads": 2, "context_dim": 64, "patch_size": 2},
-        (4, 8, 8), 64, 8, "stages"),
+    "made_up_prompt_cache": _made_up_variant("prompt_cache", "layers", latent_shape=(4, 16, 16),
+                                             counted="image rows"),
+    "made_up_twice": _made_up_variant("twice", "stages"),
+    "made_up_packed": _made_up_variant("packed", "rows"),
+    "made_up_sparse": _made_up_variant("sparse", "sparse_blocks"),
+    "made_up_fused": _made_up_variant("fused", "stages"),
 }
 
 
