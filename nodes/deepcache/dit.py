@@ -169,10 +169,13 @@ class CachedBlock(torch.nn.Module):
         objects = {}
         for name, (position, keyword) in zip(self.stack.streams, self.stack.arguments, strict=True):
             value = args[position] if len(args) > position else kwargs.get(keyword)
-            if value is not None:
-                if not isinstance(value, torch.Tensor) and tensor_fields(value):
-                    objects[name] = value
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) and tensor_fields(value):
+                objects[name] = value
                 streams.update(named_parts(name, value))
+            else:  # a tensor, or any other value, carried as it is
+                streams[name] = value
         count = len(self.stack.streams)
         extras = [None] * self.stack.extra_outputs
 

@@ -197,7 +197,7 @@ def record_block_calls(net: torch.nn.Module, stacks: list[FoundStack], run: Call
                     held[0] = True
 
     def lane_of(call: BlockCall) -> tuple:
-        return (call.stack, call.entry, call.occurrence)
+        return (call.stack, *call.lane)
 
     def enter(block, number: int, index: int, entry: str, args: tuple, kwargs: dict) -> bool:
         if id(block) in running:  # the block's own forward calling its methods, or a method calling the forward
