@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -118,18 +118,9 @@ class CalibrationResult:
 
     @classmethod
     def from_json(cls, data: dict) -> CalibrationResult:
-        layers = [LayerMeasurement(**row) for row in data["layers"]]
-        return cls(key=data["key"], shape=data["shape"], layers=layers, model_error=data.get("model_error"),
-                   int8_flop_fraction=data.get("int8_flop_fraction", 0.0), seconds=data.get("seconds", 0.0),
-                   kernel_backend=data.get("kernel_backend", data.get("backend", "")),  # "backend" before the rename
-                   kernel_backend_fallback=data.get("kernel_backend_fallback", {}),
-                   kernel_calls=data.get("kernel_calls", {}),
-                   memory=data.get("memory", {}), left_to_core=data.get("left_to_core", {}),
-                   created=data.get("created", 0.0), weight_bits=data.get("weight_bits", 0),
-                   linear_gemm=data.get("linear_gemm", ""), conv_layout=data.get("conv_layout", ""),
-                   cuda_graph_timing=data.get("cuda_graph_timing", False),
-                   fused_quantizer_timing=data.get("fused_quantizer_timing", False),
-                   model_guard=data.get("model_guard", {}))
+        known = {f.name for f in fields(cls)} - {"layers"}
+        return cls(layers=[LayerMeasurement(**row) for row in data["layers"]],
+                   **{name: value for name, value in data.items() if name in known})
 
 
 # The whole-model guard. Each layer's error gate judges the layer alone; a few layers each under the threshold can

@@ -77,18 +77,8 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
                 setattr(self, name, [])
 
     def _init_quantized(self, weight: torch.Tensor, bias: torch.Tensor | None, qmax: int) -> None:
-        self._own_patch_lists()
         q_weight, scale = quantize_weight_per_channel(weight.float(), qmax)
-        self.qmax = qmax
-        self.compute_dtype = held_dtype(weight.dtype)
-        self._initializing = True
-        self.weight = torch.nn.Parameter(q_weight, requires_grad=False)
-        self.register_buffer("weight_scale", scale)
-        self.base_weight_scale = scale
-        self.bias = None if bias is None else torch.nn.Parameter(
-            bias.detach().to(held_dtype(bias.dtype), copy=True), requires_grad=False)
-        self._initializing = False
-        self.prepare()
+        self._init_from_quantized(q_weight, scale, None if bias is None else bias.detach().clone(), qmax, weight.dtype)
 
     def _init_from_quantized(self, q_weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                              qmax: int, compute_dtype: torch.dtype) -> None:
