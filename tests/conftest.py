@@ -53,6 +53,16 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
     load_pack()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): the tests of a real
+    server or the page all go to one worker, so one ComfyUI server with its models is in memory at a time, and
+    every other file's tests stay together on one worker, so its module fixtures are built once."""
+    for item in items:
+        on_server = any(item.get_closest_marker(name) for name in ("server", "browser"))
+        on_server = on_server or "server" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("comfyui-server" if on_server else item.path.name))
+
+
 @pytest.fixture(scope="session")
 def comfy_root() -> Path:
     """The real ComfyUI, imported in-process in CPU mode."""
