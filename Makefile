@@ -40,7 +40,7 @@ test: setup-browser
 	@legs_log="$$(mktemp)"; \
 	  { $(MAKE) --no-print-directory test-floor; floor=$$?; $(MAKE) --no-print-directory test-torch211; \
 	    exit $$((floor | $$?)); } > "$$legs_log" 2>&1 & legs=$$!; \
-	  $(PY) -m pytest tests -q -n 2 --dist loadgroup --durations=25; main=$$?; \
+	  $(PY) -m pytest tests -q -n 2 --durations=25; main=$$?; \
 	  wait $$legs; legs_status=$$?; \
 	  echo "[test] the older-PyTorch legs, run beside the main suite (exit $$legs_status):"; cat "$$legs_log"; \
 	  rm -f "$$legs_log"; exit $$((main | legs_status))

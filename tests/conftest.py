@@ -53,14 +53,25 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
     load_pack()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): the tests of a real
-    server or the page all go to one worker, so one ComfyUI server with its models is in memory at a time, and
-    every other file's tests stay together on one worker, so its module fixtures are built once."""
-    for item in items:
-        on_server = any(item.get_closest_marker(name) for name in ("server", "browser"))
-        on_server = on_server or "server" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("comfyui-server" if on_server else item.path.name))
+SERVER_MARKS = ("pytest.mark.server", "pytest.mark.browser")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2`). The files with tests of a real server or
+    the page (a `server` or `browser` mark in their text) all go to one worker, so one ComfyUI server with its
+    models is in memory at a time; every other file goes whole to whichever worker is free, so its module
+    fixtures are built once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    server_files = {path.name for path in Path(__file__).parent.glob("test_*.py")
+                    if any(mark in path.read_text() for mark in SERVER_MARKS)}
+
+    class OneServerWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "comfyui-server" if Path(path).name in server_files else path
+
+    return OneServerWorker(config, log)
 
 
 @pytest.fixture(scope="session")
