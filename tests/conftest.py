@@ -56,6 +56,7 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
 SERVER_MARKS = ("pytest.mark.server", "pytest.mark.browser")
 
 
+@pytest.hookimpl(optionalhook=True)  # the older-PyTorch legs run without pytest-xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`make test` runs the suite on two pytest-xdist workers (`-n 2`). The files with tests of a real server or
     the page (a `server` or `browser` mark in their text) all go to one worker, so one ComfyUI server with its
