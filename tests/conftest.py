@@ -54,6 +54,7 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
 
 
 SERVER_MARKS = ("pytest.mark.server", "pytest.mark.browser")
+SERVER_GROUP = "comfyui-server"
 
 
 @pytest.hookimpl(optionalhook=True)  # the older-PyTorch legs run without pytest-xdist
@@ -70,7 +71,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class OneServerWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "comfyui-server" if Path(path).name in server_files else path
+            return SERVER_GROUP if Path(path).name in server_files else path
+
+        def _assign_work_unit(self, node) -> None:
+            # The server group first: it is the longest, and the other worker takes every other file meanwhile.
+            if SERVER_GROUP in self.workqueue:
+                self.workqueue.move_to_end(SERVER_GROUP, last=False)
+            super()._assign_work_unit(node)
 
     return OneServerWorker(config, log)
 
