@@ -29,21 +29,13 @@ checkpoint: setup
 	@$(PY) -m harness.make_checkpoint
 	@$(PY) -m harness.make_more_checkpoints
 
-# The main suite runs on two pytest-xdist workers (tests/conftest.py groups the tests: one worker has every test
-# of a real server or the page): a lone worker leaves a core idle much of the time, as a test waits for its
-# server or a one-threaded step. The two older-PyTorch legs (floor, then 2.11) run one after the other beside
-# it: building their environments is a single-threaded pip install (about three and a half minutes each).
-# Their output follows the main suite's; `make test` fails when any of the three fails. With
-# INT8_ACCEL_DROP_LEG_VENVS=1 (set by .ci/run on its throwaway clone) each leg removes its environment when done,
-# so at most one of them (5-6 GB) is on disk beside the main suite's random checkpoints (about 9 GB).
+# The two older-PyTorch legs run first: with INT8_ACCEL_DROP_LEG_VENVS=1 (set by .ci/run on its throwaway clone)
+# each removes its environment when done, so their 11 GB and the main suite's random checkpoints (about 9 GB)
+# are never on disk together.
 test: setup-browser
-	@legs_log="$$(mktemp)"; \
-	  { $(MAKE) --no-print-directory test-floor; floor=$$?; $(MAKE) --no-print-directory test-torch211; \
-	    exit $$((floor | $$?)); } > "$$legs_log" 2>&1 & legs=$$!; \
-	  $(PY) -m pytest tests -q -n 2 --durations=25; main=$$?; \
-	  wait $$legs; legs_status=$$?; \
-	  echo "[test] the older-PyTorch legs, run beside the main suite (exit $$legs_status):"; cat "$$legs_log"; \
-	  rm -f "$$legs_log"; exit $$((main | legs_status))
+	@$(MAKE) --no-print-directory test-floor
+	@$(MAKE) --no-print-directory test-torch211
+	@$(PY) -m pytest tests -q
 
 test-kernels: setup
 	@$(PY) -m pytest $(KERNEL_TESTS) -q

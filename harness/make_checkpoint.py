@@ -8,8 +8,6 @@ detector expects.  Usage: python -m harness.make_checkpoint [--name NAME] [--see
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import sys
 import time
 from pathlib import Path
@@ -89,26 +87,15 @@ def write_checkpoint(target: Path, state: dict[str, torch.Tensor], what: str, me
     return target
 
 
-@contextlib.contextmanager
-def building(target: Path):
-    """Held while `target` is looked for and built, so that processes building it at once (the suite's two
-    pytest-xdist workers) build it once."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(target.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def ensure_checkpoint(comfy_root: Path, name: str = DEFAULT_NAME, seed: int = 0) -> Path:
     """Return the path of the random checkpoint in ComfyUI's models/checkpoints, building it if absent."""
     target = comfy_root / "models" / "checkpoints" / name
-    with building(target):
-        if target.is_file():
-            return target
-        start = time.time()
-        print(f"[make_checkpoint] building random SD1.5 checkpoint {target} (about 30 s)", file=sys.stderr)
-        write_checkpoint(target, build_state_dict(seed), "SD1.5")
-        print(f"[make_checkpoint] done in {time.time() - start:.0f} s", file=sys.stderr)
+    if target.is_file():
+        return target
+    start = time.time()
+    print(f"[make_checkpoint] building random SD1.5 checkpoint {target} (about 30 s)", file=sys.stderr)
+    write_checkpoint(target, build_state_dict(seed), "SD1.5")
+    print(f"[make_checkpoint] done in {time.time() - start:.0f} s", file=sys.stderr)
     return target
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from harness.make_checkpoint import SD_VAE, _randomize, building, write_checkpoint
+from harness.make_checkpoint import SD_VAE, _randomize, write_checkpoint
 
 SDXL_NAME = "int8accel_random_sdxl.safetensors"
 SDXL_VEGA_NAME = "int8accel_random_sdxl_vega.safetensors"
@@ -193,13 +193,12 @@ def _factory_version(path: Path) -> str | None:
 
 def _ensure(comfy_root: Path, name: str, builder, what: str, seed: int, folder: str = "checkpoints") -> Path:
     target = Path(comfy_root) / "models" / folder / name
-    with building(target):
-        if target.is_file() and _factory_version(target) == FACTORY_VERSION:
-            return target
-        start = time.time()
-        print(f"[make_more_checkpoints] building random {what} file {target}", file=sys.stderr)
-        write_checkpoint(target, builder(seed), what, {"int8accel_factory": FACTORY_VERSION})
-        print(f"[make_more_checkpoints] {what} done in {time.time() - start:.0f} s", file=sys.stderr)
+    if target.is_file() and _factory_version(target) == FACTORY_VERSION:
+        return target
+    start = time.time()
+    print(f"[make_more_checkpoints] building random {what} file {target}", file=sys.stderr)
+    write_checkpoint(target, builder(seed), what, {"int8accel_factory": FACTORY_VERSION})
+    print(f"[make_more_checkpoints] {what} done in {time.time() - start:.0f} s", file=sys.stderr)
     return target
 
 

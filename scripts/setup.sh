@@ -63,12 +63,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$COMFY" ]; then
   grep -v -E '^\s*(torch|torchvision|torchaudio)\s*([<>=!~].*)?$' "$COMFY/requirements.txt" > "$VENV/comfy-requirements.txt"
   pipq -q -r "$VENV/comfy-requirements.txt" "${TORCH_SPEC[@]}"
   # torchao: the GPU bench's peer rows, checked by its dry run in the suite (not a dependency of the pack)
-  pipq -q "${TORCH_SPEC[@]}" requests websocket-client pytest pytest-timeout pytest-xdist ruff safetensors numpy pillow \
-    comfy-kitchen torchao==0.18.0
+  pipq -q "${TORCH_SPEC[@]}" requests websocket-client pytest pytest-timeout ruff safetensors numpy pillow comfy-kitchen \
+    torchao==0.18.0
   echo "$COMFY" > "$STAMP"
 fi
-# `make test` runs the main suite on two pytest-xdist workers (a .venv set up without it gets it here)
-"$PY" -c "import xdist" 2>/dev/null || pipq -q "${TORCH_SPEC[@]}" pytest-xdist
 
 mkdir -p "$COMFY/custom_nodes"
 link="$COMFY/custom_nodes/comfyui-int8-accel"

@@ -53,35 +53,6 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
     load_pack()
 
 
-SERVER_MARKS = ("pytest.mark.server", "pytest.mark.browser")
-SERVER_GROUP = "comfyui-server"
-
-
-@pytest.hookimpl(optionalhook=True)  # the older-PyTorch legs run without pytest-xdist
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """`make test` runs the suite on two pytest-xdist workers (`-n 2`). The files with tests of a real server or
-    the page (a `server` or `browser` mark in their text) all go to one worker, so one ComfyUI server with its
-    models is in memory at a time; every other file goes whole to whichever worker is free, so its module
-    fixtures are built once."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    server_files = {path.name for path in Path(__file__).parent.glob("test_*.py")
-                    if any(mark in path.read_text() for mark in SERVER_MARKS)}
-
-    class OneServerWorker(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return SERVER_GROUP if Path(path).name in server_files else path
-
-        def _assign_work_unit(self, node) -> None:
-            # The server group first: it is the longest, and the other worker takes every other file meanwhile.
-            if SERVER_GROUP in self.workqueue:
-                self.workqueue.move_to_end(SERVER_GROUP, last=False)
-            super()._assign_work_unit(node)
-
-    return OneServerWorker(config, log)
-
-
 @pytest.fixture(scope="session")
 def comfy_root() -> Path:
     """The real ComfyUI, imported in-process in CPU mode."""
