@@ -78,11 +78,13 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
 
     def _init_quantized(self, weight: torch.Tensor, bias: torch.Tensor | None, qmax: int) -> None:
         q_weight, scale = quantize_weight_per_channel(weight.float(), qmax)
-        self._init_from_quantized(q_weight, scale, None if bias is None else bias.detach().clone(), qmax, weight.dtype)
+        bias = None if bias is None else bias.detach().to(held_dtype(bias.dtype), copy=True)  # not the float layer's
+        self._init_from_quantized(q_weight, scale, bias, qmax, weight.dtype)
 
     def _init_from_quantized(self, q_weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                              qmax: int, compute_dtype: torch.dtype) -> None:
-        """Take already-quantized tensors (a checkpoint's): int8 `q_weight`, float32 `scale` [out]."""
+        """Take already-quantized tensors (a checkpoint's, or the float weight's just quantized): int8 `q_weight`,
+        float32 `scale` [out]; `bias` is held as given (a checkpoint's may be the file's own pages)."""
         self._own_patch_lists()
         self.qmax = qmax
         self.compute_dtype = held_dtype(compute_dtype)
