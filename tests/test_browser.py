@@ -4,9 +4,10 @@ Debian's chromium is used (scripts/setup_browser.sh installs it and Playwright f
 ever downloaded). Screenshots go to test-artifacts/; UPDATE_DOCS_SCREENSHOT=1 also refreshes the README's
 docs/workflow-screenshot.png. The page loads each UI graph, must know every node type and keep every widget value,
 turns the graph into exactly the shipped API prompt (plus the display-only text box of Preview as Text, which
-no node takes), queues it itself, and the run ends with an image (for the Wan workflow an animated WebP) and the
-INT8 report shown in the page (for the INT8 load workflow, which has no Quantize node: its layers loaded as
-resident INT8). The save workflow runs
+no node takes), queues it itself, and the run ends with an image (for the Wan workflow an animated WebP) that the
+float run of the same prompt does not give, and the INT8 report shown in the page (for the INT8 load workflow,
+which has no Quantize node: its layers loaded as resident INT8). These are the server runs of the shipped API
+prompts; tests/test_workflows.py queues the txt2img one with the documented curl command. The save workflow runs
 before the load workflow, which reads the file it wrote, as a user does (refreshing the page's file lists).
 
 These tests never skip silently: when chromium or Playwright is missing and scripts/setup_browser.sh cannot
@@ -33,6 +34,7 @@ from tests.support.workflows_common import (  # noqa: F401  (int8_save_session, 
     PENDING,
     REPO_ROOT,
     VIRTUAL_NODE_TYPES,
+    assert_images_changed_by_int8,
     in_run_order,
     int8_save_session,
     load_api,
@@ -241,6 +243,8 @@ def test_page_loads_converts_and_queues_the_shipped_workflow(page, server, int8_
         history = _assert_report_shown(page, server, name, api, result["history"])
         _assert_report_readable_and_picture_shown(page, name, api, history)
         _screenshot_report(page, name, api)
+        if name != INT8_SAVE:  # the save run's picture is compared with float beside the load workflow's
+            assert_images_changed_by_int8(server, name, api, result["history"], "page")
     assert page.page_errors == [], page.page_errors
     print(f"{name}: ran from the page in {time.time() - start:.1f} s")
     release_models_unless_sd15(server, name)

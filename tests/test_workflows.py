@@ -1,8 +1,8 @@
-"""The shipped workflows: both forms agree, every API prompt runs on the real server with layers really in
-INT8 (its report, shown by Preview as Text, says how many) and an image that differs from the float run's,
-the INT8 file the save workflow writes loads in the load workflow and gives the save run's image, the Wan
-workflow's DeepCache caches steps of the Wan model and changes its video only a little, and the page lists
-them."""
+"""The shipped workflows: both forms agree, the documented curl command runs the txt2img prompt on the real
+server with layers really in INT8 (its report, shown by Preview as Text, says how many) and an image that differs
+from the float run's (the page tests run every other prompt so), the INT8 file the save workflow writes loads in
+the load workflow and gives the save run's image, the Wan workflow's DeepCache caches steps of the Wan model and
+changes its video only a little, and the page lists them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import copy
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -25,6 +26,8 @@ from tests.support.workflows_common import (  # noqa: F401  (the int8_* and work
     REPO_ROOT,
     VIRTUAL_NODE_TYPES,
     WORKFLOWS,
+    assert_images_changed_by_int8,
+    float_images,
     frames,
     int8_file,
     int8_file_name,
@@ -46,9 +49,12 @@ from tests.support.workflows_common import (  # noqa: F401  (the int8_* and work
 )
 
 NAMES = workflow_names()
-# Workflows that quantize on the fly and nothing else; the save/load pair is run as a pair below.
-ON_THE_FLY = [name for name in NAMES if name not in (INT8_SAVE, INT8_LOAD)]
 WAN = "wan21_deepcache_t2v"
+TXT2IMG = "sd15_int8_txt2img"  # the workflow docs/workflows.md queues with curl
+# Workflows that quantize on the fly and nothing else (the save/load pair runs as a pair below) go through the page
+# (tests/test_browser.py); queued with curl: the documented one, or all of them when the browser tests are opted out.
+ON_THE_FLY = [name for name in NAMES if name not in (INT8_SAVE, INT8_LOAD)]
+CURL_RUNS = ON_THE_FLY if os.environ.get("INT8_ACCEL_SKIP_BROWSER") == "1" else [TXT2IMG]
 PACK_NODES = {"Int8AccelQuantize", "Int8AccelDeepCache", "Int8AccelCompile", "Int8AccelSaveModel",
               "Int8AccelLoadModel"}
 
@@ -207,22 +213,6 @@ def test_ui_and_api_forms_agree(server):
         assert widget_problems(api, info) == [], name
 
 
-FLOAT_IMAGES: dict[str, list] = {}  # this session's float runs, by prompt (the names images are saved under aside)
-
-
-def _float_images(server, prompt: dict) -> list:
-    """Images of the float run of `prompt` (`without_quantize`), run once per session for prompts that sample
-    alike (sd15_int8_txt2img and sd15_int8_save differ only in what they save)."""
-    baseline = without_quantize(prompt)
-    key = json.dumps({node_id: {**node, "inputs": {k: v for k, v in node["inputs"].items() if k != "filename_prefix"}}
-                      for node_id, node in strip_meta(baseline).items()}, sort_keys=True)
-    if key not in FLOAT_IMAGES or not all(path.is_file() for path in FLOAT_IMAGES[key]):
-        history = server.run(baseline, timeout=600)["history"]
-        assert history["status"]["status_str"] == "success", history["status"]
-        FLOAT_IMAGES[key] = server.output_images(history)
-    return FLOAT_IMAGES[key]
-
-
 def _queue_with_curl_as_the_readme_does(server, name: str) -> str:
     command = (f"curl -s -X POST {server.url}/prompt -H 'Content-Type: application/json' "
                f"-d \"{{\\\"prompt\\\": $(cat workflows/api/{name}.json)}}\"")
@@ -238,9 +228,13 @@ def _queue_with_curl_as_the_readme_does(server, name: str) -> str:
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("name", ON_THE_FLY)
+@pytest.mark.parametrize("name", CURL_RUNS)
 @pytest.mark.usefixtures("workflow_checkpoints")
-def test_shipped_api_workflow_runs_to_an_image(server, name):
+def test_the_documented_curl_command_runs_the_workflow_to_an_image(server, name):
+    """docs/workflows.md's curl command, as it stands, queues the shipped API prompt headless (no client id), and
+    the run ends with its picture, layers in INT8 and a picture the float run does not give. The page tests
+    (tests/test_browser.py) queue every other shipped API prompt, the same JSON, and check their pictures alike;
+    with the browser tests opted out, this test queues them all."""
     prompt = load_api(name)
     start = time.time()
     log_from = server.log_path.stat().st_size
@@ -251,36 +245,13 @@ def test_shipped_api_workflow_runs_to_an_image(server, name):
     messages = [m[0] for m in status.get("messages", [])]
     assert status.get("status_str") == "success" and "execution_success" in messages, (
         f"{name}: {json.dumps(status)[:3000]}\n{server.log_tail()}")
-    images = server.output_images(history)
-    saving = save_nodes(prompt)
-    assert set(history["outputs"]) >= set(saving)
-    assert len(images) == len(saving) >= 1  # a picture, or the Wan workflow's animated WebP
-    latent = next(v["inputs"] for v in prompt.values() if v["class_type"].startswith("Empty"))
-    ARTIFACTS.mkdir(exist_ok=True)
-    for path in images:
-        with Image.open(path) as image:
-            width = latent["width"] * (2 if name.startswith("sd15_compare") else 1)
-            width += 8 if name.startswith("sd15_compare") else 0  # Image Stitch's spacing
-            assert image.size == (width, latent["height"])
-            image.save(ARTIFACTS / f"api_{name}.png")
-            if name.startswith("sd15_compare"):
-                left = image.crop((0, 0, latent["width"], latent["height"])).tobytes()
-                right = image.crop((width - latent["width"], 0, width, latent["height"])).tobytes()
-                assert left != right, "the accelerated half equals the baseline: the pack nodes did nothing"
-
     # INT8 really ran: the report counts layers in INT8 at this size (as Preview as Text shows it, or, when
-    # this run calibrated and the node said 'pending', as the calibration logged it), and the image differs
+    # this run calibrated and the node said 'pending', as the calibration logged it), and the picture differs
     # from the one of the same prompt without the node.
     summary = int8_report(server, prompt, history, log_from=log_from)
     print(f"{name}: {seconds:.1f} s; {summary}")
     assert summary.int8 > 0, f"{name}: no layer in INT8 at this size:\n{summary.text[-3000:]}"
-    float_images = _float_images(server, prompt)
-    assert len(float_images) == len(images)
-    for int8_path, float_path in zip(sorted(images), sorted(float_images), strict=True):
-        a, b = frames(int8_path), frames(float_path)
-        assert [f.shape for f in a] == [f.shape for f in b]
-        assert any((x != y).any() for x, y in zip(a, b, strict=True)), (
-            f"{name}: the image equals the float run's: INT8 changed nothing")
+    assert_images_changed_by_int8(server, name, prompt, history, "api")
     release_models_unless_sd15(server, name)
 
 
@@ -377,7 +348,7 @@ def test_int8_file_workflows_save_then_load_the_same_image(server, int8_file):  
     assert resident_int8_logged(server, log_from) == [(summary.linear[0], summary.conv[0])], server.log_tail()
     (loaded_image,) = server.output_images(loaded)
 
-    (float_image,) = _float_images(server, save)
+    (float_image,) = float_images(server, save)
     ARTIFACTS.mkdir(exist_ok=True)
     for name, path in ((INT8_SAVE, saved_image), (INT8_LOAD, loaded_image)):
         shutil.copyfile(path, ARTIFACTS / f"api_{name}.png")

@@ -383,3 +383,51 @@ def without_quantize(prompt: dict) -> dict:
         if node["class_type"] in SAVE_NODE_TYPES:
             node["inputs"]["filename_prefix"] += "_float"
     return prompt
+
+
+FLOAT_IMAGES: dict[str, list] = {}  # this session's float runs, by prompt (the names images are saved under aside)
+
+
+def float_images(server, prompt: dict) -> list:
+    """Images of the float run of `prompt` (`without_quantize`), run once per session for prompts that sample
+    alike (sd15_int8_txt2img and sd15_int8_save differ only in what they save)."""
+    baseline = without_quantize(prompt)
+    key = json.dumps({node_id: {**node, "inputs": {k: v for k, v in node["inputs"].items() if k != "filename_prefix"}}
+                      for node_id, node in strip_meta(baseline).items()}, sort_keys=True)
+    if key not in FLOAT_IMAGES or not all(path.is_file() for path in FLOAT_IMAGES[key]):
+        history = server.run(baseline, timeout=600)["history"]
+        assert history["status"]["status_str"] == "success", history["status"]
+        FLOAT_IMAGES[key] = server.output_images(history)
+    return FLOAT_IMAGES[key]
+
+
+def assert_images_changed_by_int8(server, name: str, prompt: dict, history: dict, artifact: str) -> None:
+    """The run `history` of shipped workflow `name` saved one file per save node at the latent's size (the
+    comparison workflow: both halves side by side, which differ; the Wan workflow: an animated WebP), kept as
+    test-artifacts/`artifact`_`name`.png, and each differs from the float run of the same prompt: its INT8
+    layers changed the picture, so they ran."""
+    from PIL import Image
+
+    images = server.output_images(history)
+    saving = save_nodes(prompt)
+    assert set(history["outputs"]) >= set(saving)
+    assert len(images) == len(saving) >= 1, (name, images)
+    latent = next(v["inputs"] for v in prompt.values() if v["class_type"].startswith("Empty"))
+    compare = name.startswith("sd15_compare")
+    width = latent["width"] * 2 + 8 if compare else latent["width"]  # Image Stitch's spacing
+    ARTIFACTS.mkdir(exist_ok=True)
+    for path in images:
+        with Image.open(path) as image:
+            assert image.size == (width, latent["height"]), (name, image.size)
+            image.save(ARTIFACTS / f"{artifact}_{name}.png")
+            if compare:
+                left = image.crop((0, 0, latent["width"], latent["height"])).tobytes()
+                right = image.crop((width - latent["width"], 0, width, latent["height"])).tobytes()
+                assert left != right, "the accelerated half equals the baseline: the pack nodes did nothing"
+    baseline = float_images(server, prompt)
+    assert len(baseline) == len(images)
+    for int8_path, float_path in zip(sorted(images), sorted(baseline), strict=True):
+        a, b = frames(int8_path), frames(float_path)
+        assert [f.shape for f in a] == [f.shape for f in b]
+        assert any((x != y).any() for x, y in zip(a, b, strict=True)), (
+            f"{name}: the image equals the float run's: INT8 changed nothing")
