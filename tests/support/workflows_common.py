@@ -412,7 +412,7 @@ def assert_images_changed_by_int8(server, name: str, prompt: dict, history: dict
     saving = save_nodes(prompt)
     assert set(history["outputs"]) >= set(saving)
     assert len(images) == len(saving) >= 1, (name, images)
-    latent = next(v["inputs"] for v in prompt.values() if v["class_type"].startswith("Empty"))
+    latent = next(v["inputs"] for v in prompt.values() if v["class_type"] in LATENT_NODE_TYPES)
     compare = name.startswith("sd15_compare")
     width = latent["width"] * 2 + 8 if compare else latent["width"]  # Image Stitch's spacing
     ARTIFACTS.mkdir(exist_ok=True)
