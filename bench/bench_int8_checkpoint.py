@@ -55,7 +55,7 @@ def _load(variant: str, int8_file: str | None):
     if variant == "loaded":
         import_comfy()
         load_pack()
-        from comfyui_int8_accel.nodes.int8.loader import load_int8_diffusion_model
+        from comfyui_int8_accel.nodes.int8_files.loader import load_int8_diffusion_model
 
         model = load_int8_diffusion_model(int8_file)[0]
     else:
@@ -86,7 +86,7 @@ def memory_worker(variant: str, args) -> dict:
     run = timed_sample(model, None, positive, negative, size=args.size, steps=args.memory_steps, decode=False)
     out.update(peak=peak_rss_bytes(), weight_bytes=_weight_bytes(variant, model), first_step_s=run.step_seconds[0])
     if variant == "on-the-fly":
-        from comfyui_int8_accel.nodes.int8.save import save_int8_model
+        from comfyui_int8_accel.nodes.int8_files.save import save_int8_model
 
         result = _int8().int8_plan(model).last_result
         out.update(chosen=len(result.chosen), candidates=len(result.layers), calibration_s=result.seconds,

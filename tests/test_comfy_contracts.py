@@ -14,9 +14,9 @@ import torch
 from comfyui_int8_accel.kernels import record_calls
 from comfyui_int8_accel.nodes import comfy_contracts
 from comfyui_int8_accel.nodes.int8 import apply_int8, settings_from_widgets
-from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict, layer_tensors
-from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_state_dict
 from comfyui_int8_accel.nodes.int8.modules import Int8Linear
+from comfyui_int8_accel.nodes.int8_files.checkpoint import int8_state_dict, layer_tensors
+from comfyui_int8_accel.nodes.int8_files.loader import int8_resident_layers, load_int8_state_dict
 from harness.tiny_models import build_tiny_model, detect_tiny, latent_channels, make_conditioning, sample
 from tests.support import comfy038
 from tests.support.int8_checks import ALL_INT8, WEIGHT_ERROR_SCALE, all_int8_layers, rel
@@ -102,7 +102,7 @@ def test_save_bakes_lora_without_asking_comfyui_to_patch(comfy_root, monkeypatch
     import comfy.model_management
     import comfy.utils
 
-    from comfyui_int8_accel.nodes.int8.save import save_int8_model
+    from comfyui_int8_accel.nodes.int8_files.save import save_int8_model
 
     load_models_gpu = comfy.model_management.load_models_gpu
 
@@ -269,10 +269,10 @@ def test_core_save_nodes_write_a_loaded_int8_model_in_the_int8_format(comfy_root
     lora = make_lora(base, layers=8, scale=2.0)
     expected = {"plain": _model_call(loaded, "merged", monkeypatch)[0],
                 "lora": _model_call(apply_lora(loaded, lora), "merged", monkeypatch)[0]}
-    int8_package = importlib.import_module("comfyui_int8_accel.nodes.int8")
+    pack_nodes = importlib.import_module("comfyui_int8_accel.nodes")
     saved = {}
     with comfy038.core_save_038(monkeypatch):
-        for hook in getattr(int8_package, "COMFY_IMPORT_HOOKS", ()):  # what importing the pack does on a 0.38
+        for hook in pack_nodes.COMFY_IMPORT_HOOKS:  # what importing the pack does on a 0.38
             hook()
         for label, patcher in (("plain", loaded), ("lora", apply_lora(loaded, lora))):
             sd = patcher.model_state_dict_for_saving(patcher.model.diffusion_model, "diffusion_model.")

@@ -13,15 +13,15 @@ import torch
 from comfyui_int8_accel.kernels import cpu as cpu_kernels
 from comfyui_int8_accel.kernels import record_calls, weight_qmax
 from comfyui_int8_accel.nodes.int8 import apply_int8, int8_plan, settings_from_widgets
-from comfyui_int8_accel.nodes.int8.checkpoint import (
+from comfyui_int8_accel.nodes.int8.modules import Int8Linear
+from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
+from comfyui_int8_accel.nodes.int8_files.checkpoint import (
     CONV_LAYOUT_KEY,
     comfy_quant_tensor,
     int8_state_dict,
     parse_comfy_quant,
 )
-from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_state_dict
-from comfyui_int8_accel.nodes.int8.modules import Int8Linear
-from comfyui_int8_accel.nodes.int8.plan import Int8Plan, find_candidates
+from comfyui_int8_accel.nodes.int8_files.loader import int8_resident_layers, load_int8_state_dict
 from harness.tiny_models import build_tiny_model, detect_tiny, sample
 from tests.support.comfy038_quant import core_038_reading, load_as_core_038
 from tests.support.int8_checks import ALL_INT8, WEIGHT_ERROR_SCALE, rel

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from comfyui_int8_accel.kernels import force_kernel_backend, record_calls
-from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict
-from comfyui_int8_accel.nodes.int8.loader import int8_operations, int8_resident_layers, load_int8_diffusion_model
+from comfyui_int8_accel.nodes.int8_files.checkpoint import int8_state_dict
+from comfyui_int8_accel.nodes.int8_files.loader import int8_operations, int8_resident_layers, load_int8_diffusion_model
 from harness.tiny_models import build_tiny_model, detect_tiny, latent_channels, make_conditioning
 from tests.support.int8_checks import all_int8_layers, rel
 from tests.support.lora import make_lora
@@ -164,7 +164,7 @@ def test_bypass_mode_lora_reaches_the_int8_layers(comfy_root, monkeypatch):
     Control: the same LoRA merged at load (0.3.75's own path) through the same INT8 layers. Load Diffusion Model
     (INT8) layers take the hook on their own forward, as core's quantized layers do."""
     from comfyui_int8_accel.nodes.int8 import apply_int8, int8_plan, settings_from_widgets
-    from comfyui_int8_accel.nodes.int8.loader import load_int8_state_dict
+    from comfyui_int8_accel.nodes.int8_files.loader import load_int8_state_dict
     from tests.support import comfy038_bypass
     from tests.support.int8_checks import ALL_INT8
     from tests.support.lora import apply_lora

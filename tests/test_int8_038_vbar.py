@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from comfyui_int8_accel.nodes.int8 import modules
-from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict
-from comfyui_int8_accel.nodes.int8.loader import load_int8_state_dict
+from comfyui_int8_accel.nodes.int8_files.checkpoint import int8_state_dict
+from comfyui_int8_accel.nodes.int8_files.loader import load_int8_state_dict
 from harness.tiny_models import build_tiny_model, detect_tiny
 from tests.support import comfy038_vbar as vbar
 from tests.support.int8_checks import all_int8_layers

@@ -16,7 +16,9 @@ import torch
 
 from comfyui_int8_accel.kernels import int8_linear, weight_qmax
 from comfyui_int8_accel.nodes.int8 import apply_int8, settings_from_widgets
-from comfyui_int8_accel.nodes.int8.checkpoint import (
+from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d, Int8Linear
+from comfyui_int8_accel.nodes.int8.plan import find_candidates
+from comfyui_int8_accel.nodes.int8_files.checkpoint import (
     CONV_LAYOUT,
     CONV_LAYOUT_KEY,
     CONV_SHAPE_KEY,
@@ -26,14 +28,12 @@ from comfyui_int8_accel.nodes.int8.checkpoint import (
     parse_comfy_quant,
     read_int8_layer,
 )
-from comfyui_int8_accel.nodes.int8.loader import (
+from comfyui_int8_accel.nodes.int8_files.loader import (
     int8_resident_layers,
     load_int8_diffusion_model,
     load_int8_state_dict,
     resident_memory_line,
 )
-from comfyui_int8_accel.nodes.int8.modules import Int8Conv2d, Int8Linear
-from comfyui_int8_accel.nodes.int8.plan import find_candidates
 from harness.memory import model_bytes
 from harness.tiny_models import (
     build_tiny_model,
@@ -360,7 +360,7 @@ def test_save_node_declares_its_inputs(pack):
 
 
 def test_save_needs_a_quantized_calibrated_model(pack, models_dir):
-    from comfyui_int8_accel.nodes.int8.save import save_int8_model
+    from comfyui_int8_accel.nodes.int8_files.save import save_int8_model
 
     model = build_tiny_model("sd15")
     with pytest.raises(ValueError, match="did not go through Quantize Model"):
@@ -388,8 +388,8 @@ def test_save_writes_every_accurate_layer_by_default_and_only_the_faster_ones_on
 
     from comfyui_int8_accel.nodes.int8 import int8_plan
     from comfyui_int8_accel.nodes.int8 import plan as plan_module
-    from comfyui_int8_accel.nodes.int8.save import FASTER_ONLY, SMALLEST_FILE, save_int8_model
     from comfyui_int8_accel.nodes.int8.speed import Timing
+    from comfyui_int8_accel.nodes.int8_files.save import FASTER_ONLY, SMALLEST_FILE, save_int8_model
 
     monkeypatch.setenv("INT8_ACCEL_SPEED_GATE", "1")
     first = iter([Timing(float_seconds=2.0, int8_seconds=1.0)])  # one call signature faster in INT8, others not
@@ -423,7 +423,7 @@ def test_save_then_load_round_trip_with_and_without_lora(pack, models_dir, monke
     import comfy.model_management
 
     from comfyui_int8_accel.nodes.int8 import int8_plan
-    from comfyui_int8_accel.nodes.int8.save import save_int8_model
+    from comfyui_int8_accel.nodes.int8_files.save import save_int8_model
 
     detect_tiny(monkeypatch, "sd15")
     model = build_tiny_model("sd15")
@@ -508,7 +508,7 @@ def test_the_smallest_file_holds_the_layers_the_kernel_size_floor_kept_float(pac
 
     from comfyui_int8_accel.kernels import cpu
     from comfyui_int8_accel.nodes.int8 import int8_plan
-    from comfyui_int8_accel.nodes.int8.save import FASTER_ONLY, save_int8_model
+    from comfyui_int8_accel.nodes.int8_files.save import FASTER_ONLY, save_int8_model
 
     monkeypatch.setattr(cpu, "LINEAR_MIN_MACS", cpu.DEFAULT_LINEAR_MIN_MACS)
     monkeypatch.setattr(cpu, "MIN_REDUCTION", cpu.DEFAULT_MIN_REDUCTION)

@@ -22,9 +22,9 @@ import torch
 from comfyui_int8_accel.kernels import record_calls
 from comfyui_int8_accel.kernels.weight_cache import content_checksum
 from comfyui_int8_accel.nodes.int8 import apply_int8, int8_plan, settings_from_widgets
-from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_diffusion_model
 from comfyui_int8_accel.nodes.int8.plan import find_candidates
-from comfyui_int8_accel.nodes.int8.save import save_int8_model
+from comfyui_int8_accel.nodes.int8_files.loader import int8_resident_layers, load_int8_diffusion_model
+from comfyui_int8_accel.nodes.int8_files.save import save_int8_model
 from harness.memory import model_bytes
 from harness.tiny_models import sample
 from tests.support.int8_checks import ALL_INT8, rel

@@ -143,8 +143,8 @@ def test_a_device_clone_after_a_prompt_restores_a_loaded_int8_model_with_lora_an
     import comfy.utils
 
     from comfyui_int8_accel.kernels import ops
-    from comfyui_int8_accel.nodes.int8.checkpoint import int8_state_dict
-    from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_diffusion_model
+    from comfyui_int8_accel.nodes.int8_files.checkpoint import int8_state_dict
+    from comfyui_int8_accel.nodes.int8_files.loader import int8_resident_layers, load_int8_diffusion_model
     from harness.tiny_models import detect_tiny
     from tests.support.int8_checks import all_int8_layers
     from tests.support.lora import apply_lora, make_lora

@@ -49,7 +49,7 @@ def test_a_triton_without_div_rn_leaves_cuda_tensors_to_the_cuda_backend(monkeyp
 def test_the_loader_calls_comfyui_with_only_the_arguments_it_takes(pack, monkeypatch):
     import comfy.sd
 
-    loader = importlib.import_module("comfyui_int8_accel.nodes.int8.loader")
+    loader = importlib.import_module("comfyui_int8_accel.nodes.int8_files.loader")
     seen = {}
 
     def older_signature(sd, model_options=None):  # ComfyUI releases before the metadata argument

@@ -10,15 +10,11 @@ import torch
 
 from ...kernels import forced_kernel_backend, kernel_backend_for
 from .core_layers import core_layers_left
-from .core_save import install_core_save
 from .owned import float_candidates
 from .plan import WRAPPER_KEY, Int8Plan, unwrap_compiled
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
 
 log = logging.getLogger("int8_accel.int8")
-# ComfyUI 0.38's save nodes on a model with INT8 layers (a no-op on a ComfyUI without model_state_dict_for_saving)
-install_core_save()
-COMFY_IMPORT_HOOKS = (install_core_save,)  # what importing the pack does to the running ComfyUI, in order
 
 __all__ = ["ENABLE", "Int8Plan", "QuantizeSettings", "apply_int8", "int8_plan", "settings_from_widgets"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..comfy_contracts import has_weight_patches, patched_parameter
-from .checkpoint import int8_weight_and_scale
+from ..int8_files.checkpoint import int8_weight_and_scale
 
 REUSED_FORMAT = "int8_tensorwise"
 DEQUANTIZED_FORMATS = ("float8_e4m3fn", "float8_e5m2")

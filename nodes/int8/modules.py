@@ -312,6 +312,11 @@ class Int8Conv2d(_Int8Layer):
                 f"padding={self.padding}, groups={self.groups}, qmax={self.qmax}")
 
 
+def int8_module_bytes(module: torch.nn.Module) -> int:
+    """Bytes an INT8 layer holds: its int8 weight, scales and bias copy."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
 def refresh_int8_weights(root: torch.nn.Module) -> None:
     """Rebuild the kernels' derived forms of every INT8 layer under `root` whose weight is off the CPU, and
     build those of weights that have none yet (moved to their device since they were prepared).

@@ -60,7 +60,7 @@ from .environment import speed_gate_enabled
 from .layout import CandidateCache, module_at, swapped_modules
 from .layout import canonical_name as canonical_name  # where the save node and tests import it from
 from .layout import find_candidates as find_candidates  # where tests import it from
-from .modules import Int8Conv2d, Int8Linear, refresh_after_weight_writes
+from .modules import Int8Conv2d, Int8Linear, int8_module_bytes, refresh_after_weight_writes
 from .owned import (
     build_owned_layer,
     float_candidates,
@@ -89,11 +89,6 @@ WRAPPER_KEY = "int8_accel_quantize"
 
 def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "_orig_mod", module)
-
-
-def int8_module_bytes(module: torch.nn.Module) -> int:
-    """Bytes an INT8 layer holds: its int8 weight, scales and bias copy."""
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def parameter_bytes(root: torch.nn.Module) -> int:

@@ -17,7 +17,7 @@ from harness.memory import model_bytes, peak_rss_bytes, reset_peak_rss, rss_byte
 def measure(path: str) -> dict:
     import_comfy()
     load_pack()
-    from comfyui_int8_accel.nodes.int8.loader import int8_resident_layers, load_int8_diffusion_model
+    from comfyui_int8_accel.nodes.int8_files.loader import int8_resident_layers, load_int8_diffusion_model
 
     before = rss_bytes()
     reset_peak_rss()

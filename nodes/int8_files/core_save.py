@@ -19,9 +19,9 @@ import types
 import torch
 
 from ...kernels import quantize_weight_per_channel
+from ..int8.layout import swapped_modules
+from ..int8.modules import _Int8Layer
 from .checkpoint import layer_tensors
-from .layout import swapped_modules
-from .modules import _Int8Layer
 
 _WRAPPED = "_int8_accel_core_save"
 

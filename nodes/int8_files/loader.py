@@ -30,10 +30,9 @@ import torch
 
 from ...kernels import weight_qmax
 from ..comfy_contracts import loader_accepts_disable_dynamic, set_cached_patcher_init
+from ..int8.modules import Int8Conv2d, Int8Linear, _Int8Layer, int8_module_bytes, refresh_after_weight_writes
 from ..layers import layer_kind
 from .checkpoint import int8_layer_names, legacy_conv_layers, read_int8_layer, restore_conv_shapes
-from .modules import Int8Conv2d, Int8Linear, _Int8Layer, refresh_after_weight_writes
-from .plan import int8_module_bytes
 
 log = logging.getLogger("int8_accel.int8")
 _SIDE_KEYS = ("weight_scale", "comfy_quant")  # what an INT8 layer has beyond a float layer's weight and bias

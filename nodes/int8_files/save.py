@@ -19,12 +19,12 @@ import torch
 
 from ...kernels import weight_bits, weight_qmax
 from ..comfy_contracts import merged_state_dict
+from ..int8 import int8_plan
+from ..int8.modules import int8_layer_like
+from ..int8.owned import float_candidates, float_layer
+from ..int8.plan import Int8Plan, canonical_name
 from ..page import show_on_node
-from . import int8_plan
 from .checkpoint import int8_metadata, int8_state_dict
-from .modules import int8_layer_like
-from .owned import float_candidates, float_layer
-from .plan import Int8Plan, canonical_name
 
 log = logging.getLogger("int8_accel.int8")
 SMALLEST_FILE = "every accurate layer (smallest file)"
