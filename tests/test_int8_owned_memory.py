@@ -156,6 +156,15 @@ def test_the_pack_writes_none_of_comfyuis_bookkeeping():
     assert not (nodes / "int8" / "residency.py").exists() and not (nodes / "int8" / "float_offload.py").exists()
 
 
+INT8_CORE_LINE_BUDGET = 2600  # issue 45: the INT8 core, read cold, with no shadow of ComfyUI's memory management
+
+
+def test_the_int8_core_stays_within_its_line_budget():
+    core = Path(__file__).resolve().parents[1] / "nodes" / "int8"
+    lines = sum(len(path.read_text().splitlines()) for path in core.glob("*.py"))
+    assert lines <= INT8_CORE_LINE_BUDGET, f"nodes/int8/ is {lines} lines, over {INT8_CORE_LINE_BUDGET}"
+
+
 def test_dynamic_vram_streams_the_int8_layers_as_its_own(comfy_root, quant):
     """ComfyUI 0.38's ModelPatcherDynamic puts the object patches in the tree as any load does and streams every cast
     layer per forward (`comfy_cast_weights`, weights left in system memory; emulated on 0.3.75 with the CPU as the

@@ -1,5 +1,4 @@
-"""The shared INT8 core: `apply_int8(model, settings)` returns a clone of a ComfyUI MODEL whose Linear and
-Conv2d layers run in INT8 where calibration on the real sampling inputs finds that accurate and worth it."""
+"""The shared INT8 core: `apply_int8` clones a MODEL, its Linear/Conv2d in INT8 where calibration finds that pays."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import torch
 from ...kernels import forced_kernel_backend, kernel_backend_for
 from .core_layers import core_layers_left
 from .owned import float_candidates
-from .plan import WRAPPER_KEY, Int8Plan, unwrap_compiled
+from .plan import WRAPPER_KEY, Int8Plan
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
 
 log = logging.getLogger("int8_accel.int8")
@@ -20,10 +19,8 @@ __all__ = ["ENABLE", "Int8Plan", "QuantizeSettings", "apply_int8", "int8_plan", 
 
 
 def apply_int8(model, settings: QuantizeSettings, node_id: str | None = None):
-    """(model, report): a clone of `model` (a ModelPatcher) carrying the INT8 plan, and the node's report.
-
-    The input model is never modified. A model with nothing to quantize comes back as it was, with a report
-    that says why. `node_id` lets the core show its calibration summary on that node in the page."""
+    """(model, report): a clone of `model` (a ModelPatcher, never modified) with the INT8 plan, or `model` itself when
+    nothing is quantized, and the node's report. `node_id`: the node that shows the calibration summary in the page."""
     settings.validate()
     diffusion_model = getattr(getattr(model, "model", None), "diffusion_model", None)
     if diffusion_model is None:
@@ -38,7 +35,7 @@ def apply_int8(model, settings: QuantizeSettings, node_id: str | None = None):
         return model, why
     candidates = float_candidates(model)
     if not any(settings.kind_enabled(kind) for _, kind in candidates.values()):
-        left = core_layers_left(unwrap_compiled(diffusion_model))
+        left = core_layers_left(getattr(diffusion_model, "_orig_mod", diffusion_model))
         why = ("no Linear or Conv2d layer the INT8 path supports" if not candidates else
                "every layer kind is disabled or has an error threshold of 0")
         if left and not candidates:

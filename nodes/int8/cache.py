@@ -61,8 +61,7 @@ def save_result(result: CalibrationResult, fingerprint: str, settings: QuantizeS
 
 
 def load_last_result(fingerprint: str, settings: QuantizeSettings) -> CalibrationResult | None:
-    """The last calibration of these weights and patches with these settings (any latent size), for the node's
-    report and picture on the run after it."""
+    """The latest calibration of these weights, patches and settings (any latent size), shown by the next run."""
     try:
         key = (cache_dir() / f"last-{_report_key(fingerprint, settings)}.txt").read_text().strip()
     except OSError:

@@ -1,5 +1,4 @@
-"""What calibration measures and decides: per-layer measurements, the decision rule, and the keys that say
-which weights, LoRA patches, settings and latent size a decision belongs to."""
+"""Calibration's per-layer measurements, decision rule, and keys (weights, LoRA patches, settings, latent size)."""
 
 from __future__ import annotations
 
@@ -17,20 +16,16 @@ from .environment import speed_gate_enabled
 from .settings import QuantizeSettings
 from .speed import NOISY, Timing
 
-# 5: the error gate before the kernel size floor; 7: the whole-model guard; 8: CPU timings are the fastest sample,
-# re-measured while other work disturbed them (decisions from disturbed medians are not reused)
+# 5: error gate ahead of the kernel size floor; 7: whole-model guard; 8: CPU timings are fastest samples, not medians
 CACHE_FORMAT_VERSION = 8
 _SAMPLE_WORDS = 256
 
 INT8 = "int8"
-# The float decisions, by the gate that decided them, in the order `decide` applies the gates (the report and the
-# decision picture name that gate).
+# Float decisions by deciding gate, in `decide`'s gate order (the report and the decision picture name that gate).
 FLOAT_BY_GATE = {"kind": "float: kind disabled", "density": "float: density below threshold",
-                 "kernel size floor": "float: below the kernel size floor",
-                 "error": "float: error above threshold", "speed": "float: slower in INT8",
-                 "model error": "float: whole-model error guard"}
-# Passed every gate but speed: slower in INT8 on the machine that calibrated (Save INT8 Model's
-# smallest file still writes such layers in INT8).
+                 "kernel size floor": "float: below the kernel size floor", "error": "float: error above threshold",
+                 "speed": "float: slower in INT8", "model error": "float: whole-model error guard"}
+# Passed every gate but speed (Save INT8 Model's smallest file still writes such layers in INT8).
 SLOWER_IN_INT8 = FLOAT_BY_GATE["speed"]
 
 
@@ -48,11 +43,10 @@ class LayerMeasurement:
     float_ms: float | None = None  # the speed gate's timings of this layer's call (None: not timed)
     int8_ms: float | None = None
     timing_pairs: int = 0  # float/INT8 sample pairs the speed gate took (0: not timed)
-    timing_conditions: str = ""  # speed.SETTLED, CLOSE, REMEASURED or NOISY ("": not timed, or a device that does not check)
+    timing_conditions: str = ""  # speed.SETTLED, CLOSE, REMEASURED or NOISY ("": not timed, or not checked here)
     timing_replayed: bool = False  # the speed gate timed replays of CUDA graphs of the calls
     source: str = ""  # a core-quantized layer's format and how its INT8 weights were made ("": a float layer)
-    # The kernel backend serving the calibration's device computes this layer's call in float at the calibration
-    # shape (below its size floor), with the dequantized weight: INT8 would change the result and save nothing.
+    # Below the backend's size floor here: runs in float (dequantized weight); INT8 would change results, save nothing.
     below_kernel_floor: bool = False
 
     @property
@@ -65,9 +59,7 @@ class LayerMeasurement:
 
     @property
     def within_thresholds(self) -> bool:
-        """Passed the kind, density and error gates: in INT8 now, or kept in float by the kernel size floor or the
-        speed gate alone. Both are facts about the device that calibrated, not about what a file should hold: a file
-        saved here may be computed on a device without the floor."""
+        """Passed kind, density and error: fit for a file whatever this device's size floor and speed gate say."""
         return self.decision in (INT8, SLOWER_IN_INT8, FLOAT_BY_GATE["kernel size floor"])
 
 
@@ -86,19 +78,15 @@ class CalibrationResult:
     left_to_core: dict[str, str] = field(default_factory=dict)  # core-quantized layers in formats INT8 cannot take
     created: float = field(default_factory=time.time)
     weight_bits: int = 0  # width of the INT8 weights (8, or 7 on CPUs without VNNI); 0: not recorded
-    linear_gemm: str = ""  # the triton kernel backend's Linear GEMM ("fused" / "fused-tma" / "int-mm"); "" for the others
+    linear_gemm: str = ""  # the triton kernel backend's Linear GEMM ("fused" / "fused-tma" / "int-mm"); "" for others
     conv_layout: str = ""  # the triton kernel backend's conv kernel ("nchw" / "nhwc"); "" for the others
-    # the speed gate timed the layers as CUDA graph replays (Compile Model replays the model's calls from graphs)
-    cuda_graph_timing: bool = False
-    # ... and the Linears as their GEMM on quantized rows (inductor fuses their activation quantizer into the op
-    # before them)
-    fused_quantizer_timing: bool = False
+    cuda_graph_timing: bool = False  # the speed gate timed CUDA graph replays (as Compile Model replays the calls)
+    fused_quantizer_timing: bool = False  # ... and Linears as GEMMs on quantized rows (inductor fuses the quantizer)
     model_guard: dict = field(default_factory=dict)  # when the whole-model guard acted: limit, error_before, rounds
 
     @property
     def noisy_timings(self) -> bool:
-        """Other work on the machine disturbed some layer's speed gate timing to the end of its bound: a decision
-        to use in this session, not to reuse from disk in a later one."""
+        """Some speed gate timing stayed disturbed to its bound: decisions for this session, not to reuse from disk."""
         return any(layer.timing_conditions == NOISY for layer in self.layers)
 
     @property
@@ -107,8 +95,7 @@ class CalibrationResult:
 
     @property
     def within_thresholds(self) -> list[str]:
-        """Every layer accurate enough in INT8, including those the kernel size floor or the speed gate kept in float
-        on this machine."""
+        """Every layer accurate enough in INT8, including those the size floor or speed gate kept in float here."""
         return [layer.name for layer in self.layers if layer.within_thresholds]
 
     def to_json(self) -> dict:
@@ -123,22 +110,17 @@ class CalibrationResult:
                    **{name: value for name, value in data.items() if name in known})
 
 
-# The whole-model guard. Each layer's error gate judges the layer alone; a few layers each under the threshold can
-# still throw the model's output far off together, as activation outlier channels do (a trained Flux-family model
-# with 100x channels: whole-model error 0.0197 where it is 0.0003 without, and a 20 dB picture at the default
-# threshold). When the chosen layers' whole-model output error exceeds MODEL_ERROR_LIMIT, the guard returns the
-# layers above a tighter threshold to float (the kind's threshold divided by 4, then 16, then 64) and measures
-# again, for at most MODEL_GUARD_ROUNDS more forwards. The limit is fixed, not a share of the thresholds: the
-# trained models' INT8 errors are 0.0002-0.0026 and random tiny ones' about 0.0001, and a user who tightens the
-# per-layer thresholds asks for fewer INT8 layers, not for a model error below what those layers add up to.
+# The whole-model guard: layers each under their error threshold can together throw the model's output far off, as
+# activation outlier channels do (a trained Flux-family model with 100x channels: whole-model error 0.0197, 0.0003
+# without, a 20 dB picture at the default threshold); above MODEL_ERROR_LIMIT it runs up to MODEL_GUARD_ROUNDS
+# `guard_round`s. The limit is a constant, not a share of the thresholds: trained models' INT8 errors are 0.0002-0.0026,
+# random tiny ones' about 0.0001, and tighter layer thresholds ask for fewer INT8 layers, not a lower model error.
 MODEL_ERROR_LIMIT = 0.005
 MODEL_GUARD_ROUNDS = 3
 
 
 def guard_round(result: CalibrationResult, settings: QuantizeSettings, round_number: int) -> list[str]:
-    """Round `round_number` (1, 2, ...) of the whole-model guard: the INT8 layers whose error exceeds their kind's
-    threshold divided by 4**round_number go back to float (decision "float: whole-model error guard"); their
-    names."""
+    """Whole-model guard round `round_number` (from 1): the names of the INT8 layers it sends back to float."""
     dropped = []
     for layer in result.layers:
         limit = settings.threshold_for(layer.kind) / 4**round_number
@@ -150,17 +132,10 @@ def guard_round(result: CalibrationResult, settings: QuantizeSettings, round_num
 
 def decide(layer: LayerMeasurement, settings: QuantizeSettings, measure_error: Callable[[], float],
            time_calls: Callable[[], Timing | None]) -> str:
-    """Whether `layer` runs in INT8: the one decision, made once per layer at calibration, recorded in
-    `layer.decision` and returned. INT8, or float named by the first gate it fails, in this order: kind (enabled
-    in `settings`), density (at least the threshold), error (the INT8 copy's normalized error, from
-    `measure_error()`, at most the kind's threshold; for a layer below the kernel size floor, the error of the INT8
-    arithmetic a device without the floor runs), kernel size floor (`layer.below_kernel_floor`), speed
-    (`time_calls()`: the timing of the layer's float and INT8 calls, or None when the speed gate is off; INT8 must
-    be faster). A layer that passes kind, density and error is accurate enough for a file (`within_thresholds`)
-    whatever the floor and the speed gate say about this device.
-
-    The error and the timings cost a forward of the layer's INT8 copy and several timed calls, so they are
-    measured only for a layer that reaches their gate; they are recorded in `layer` too."""
+    """Whether `layer` runs in INT8, decided once at calibration and recorded: INT8, or float named by the first gate it
+    fails (see `_first_failed_gate`). `measure_error()` is the INT8 copy's normalized error (below the size floor:
+    of the INT8 arithmetic a device without the floor runs); `time_calls()` is None while the speed gate is off. Both
+    cost a forward or several timed calls, so only a layer that reaches their gate is measured."""
     layer.decision = _first_failed_gate(layer, settings, measure_error, time_calls)
     return layer.decision
 
@@ -217,8 +192,7 @@ def _digest_patch(hasher, obj, depth: int = 0) -> None:
 
 
 def model_fingerprint(patcher, weights: list[tuple[str, torch.Tensor]]) -> str:
-    """Fingerprint of the weights `patcher` will run with: `weights`, (state-dict key, original tensor) pairs,
-    sampled, plus every weight patch (LoRA) it carries. Cheap enough to compute per sampling run."""
+    """Fingerprint of `weights` ((key, original tensor), sampled: cheap per run) and `patcher`'s patches (LoRA)."""
     hasher = hashlib.sha256()
     for key, tensor in weights:
         hasher.update(key.encode())
@@ -230,8 +204,7 @@ def model_fingerprint(patcher, weights: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def bypass_fingerprint(hooks: dict) -> str:
-    """Fingerprint of bypass-mode LoRA hooks ({layer name: hook}, see `comfy_contracts.bypass_hook`): each adapter's
-    weights and strength."""
+    """Fingerprint of bypass-mode LoRA hooks ({layer name: hook}, `comfy_contracts.bypass_hook`): weights, strength."""
     hasher = hashlib.sha256()
     for name in sorted(hooks):
         hasher.update(name.encode())
@@ -256,10 +229,7 @@ def cuda_graph_timing_for(device: torch.device, replays_cuda_graphs: bool) -> bo
 
 def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tensor,
                     cuda_graph_timing: bool = False, fused_quantizer_timing: bool = False) -> str:
-    """Key of a decision: the weights and patches, the settings, the latent's size and dtype, and what runs the
-    INT8 layers (device, kernel backend, weight width), whether the speed gate decided, whether it timed CUDA
-    graph replays (`cuda_graph_timing_for`) and whether it timed Linears without their fused quantizer: a decision
-    measured on one is not reused on another."""
+    """Key of a decision: all it was measured under (weights, patches, settings, latent, INT8 runtime, speed gate)."""
     parts = [CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
              x.device.type, kernel_backend_for(x.device), linear_gemm_for(x.device), conv_layout_for(x.device),
              weight_bits(x.device), speed_gate_enabled()]

@@ -1,15 +1,11 @@
-"""Linear layers that ComfyUI core loaded from a quantized checkpoint (ComfyUI 0.38's mixed-precision ops).
-
-Core builds every Linear of a checkpoint with `comfy_quant` entries as a `torch.nn.Module` + `MixedPrecisionOp`
-(not a `torch.nn.Linear`) whose weight is comfy-kitchen's `QuantizedTensor` in the layer's format, or a plain float
-tensor for the layers the file left unquantized. What the INT8 path does with each:
-
-- `int8_tensorwise`: its int8 values and scale become the INT8 layer as they are (no float round trip); only a
-  ConvRot rotation, or values wider than the CPU kernels' 7-bit weights, make it requantize per channel;
+"""Linear layers ComfyUI core loaded from a quantized checkpoint (ComfyUI 0.38's mixed-precision ops): per Linear with
+`comfy_quant` entries a `torch.nn.Module` + `MixedPrecisionOp` (no `torch.nn.Linear`), its weight comfy-kitchen's
+`QuantizedTensor` in the layer's format, or a float tensor if the file left it unquantized. The INT8 path:
+- `int8_tensorwise`: its int8 values and scale become the INT8 layer as they are (no float round trip); only a ConvRot
+  rotation, or values wider than the CPU kernels' 7-bit weights, make it requantize per channel;
 - float8 (`float8_e4m3fn`, `float8_e5m2`) and unquantized layers: dequantized, then quantized like a float layer;
 - every other format (nvfp4, mxfp8, the 4-bit ones): left as core runs them.
-A layer becomes INT8 only if it passes the same error, density and speed gates as any other.
-"""
+A layer becomes INT8 only if it passes the same error, density and speed gates as any other."""
 
 from __future__ import annotations
 
@@ -32,9 +28,8 @@ def _is_quantized_tensor(weight) -> bool:
 
 
 def core_linear_format(module: torch.nn.Module) -> str | None:
-    """The `comfy_quant` format of a Linear of ComfyUI's mixed-precision ops (`UNQUANTIZED` when it holds a float
-    weight), or None for any other module. Recognised by what such a layer has (a ComfyUI cast-weight op with a
-    `quant_format` and `in_features`/`out_features`, not a torch Linear), not by ComfyUI's version."""
+    """The `comfy_quant` format of a ComfyUI mixed-precision Linear (`UNQUANTIZED`: float weight), else None. Found by
+    its attributes (a cast-weight op with `quant_format` and `in_features`/`out_features`), not by ComfyUI's version."""
     import comfy.ops
 
     if isinstance(module, torch.nn.Linear) or not isinstance(module, comfy.ops.CastWeightBiasOp):
@@ -50,7 +45,6 @@ def core_linear_format(module: torch.nn.Module) -> str | None:
 
 
 def runs_in_int8(fmt: str) -> bool:
-    """Whether the INT8 path can take a core layer of format `fmt`."""
     return fmt == REUSED_FORMAT or fmt in DEQUANTIZED_FORMATS or fmt == UNQUANTIZED
 
 
@@ -82,10 +76,8 @@ def core_layers_left(root: torch.nn.Module) -> dict[str, str]:
 
 
 def core_float_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The real-valued weight and bias a core mixed-precision Linear computes with, with every per-forward patch
-    ComfyUI left on it: low-VRAM LoRA in `weight_function` / `bias_function`, and dynamic VRAM's LoRA in
-    `weight_lowvram_function` / `bias_lowvram_function` (ComfyUI 0.38's `ModelPatcherDynamic.load`, where
-    `weight_function` holds only weight wrappers)."""
+    """Real-valued weight and bias of a core Linear with per-forward patches: low-VRAM LoRA (`weight_function` /
+    `bias_function`), dynamic VRAM's (`*_lowvram_function`; ComfyUI 0.38: `weight_function` holds only wrappers)."""
     weight = module.weight.detach()
     weight = weight.dequantize() if _is_quantized_tensor(weight) else weight
     bias = None if module.bias is None else module.bias.detach()
@@ -97,8 +89,7 @@ def core_float_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tens
 
 def int8_parts_of_core_linear(module: torch.nn.Module, qmax: int, name: str = "layer"
                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(int8 weight, float32 scale [out]) of an `int8_tensorwise` core layer without LoRA in its forward, taken from
-    its QuantizedTensor (comfy-kitchen's plain tensors), else None."""
+    """(int8 weight, float32 scale [out]) of an `int8_tensorwise` core layer without per-forward LoRA, else None."""
     weight = module.weight
     if core_linear_format(module) != REUSED_FORMAT or has_weight_patches(module):
         return None
@@ -109,6 +100,5 @@ def int8_parts_of_core_linear(module: torch.nn.Module, qmax: int, name: str = "l
 
 
 def core_compute_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The dtype a core mixed-precision Linear computes in."""
     weight = module.weight
     return weight.params.orig_dtype if _is_quantized_tensor(weight) else weight.dtype

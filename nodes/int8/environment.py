@@ -10,8 +10,7 @@ CACHE_DIR = "INT8_ACCEL_CACHE_DIR"
 
 
 def speed_gate_enabled() -> bool:
-    """False when `INT8_ACCEL_SPEED_GATE` is 0/false/off/no (read at every calibration): the other gates
-    alone decide, so every run chooses the same layers (the test suite's setting)."""
+    """False when `INT8_ACCEL_SPEED_GATE` is 0/false/off/no (read per calibration): runs then pick the same layers."""
     return os.environ.get(SPEED_GATE, "1").strip().lower() not in ("0", "false", "off", "no")
 
 

@@ -1,11 +1,9 @@
 """Where a diffusion model's INT8 candidate layers sit, found cheaply enough to do on every model call.
 
-A sampling step swaps the chosen INT8 copies in and out of the model by path. `torch.nn.Module.get_submodule`
-costs about 25 us per SDXL layer path (attribute lookups through `Module.__getattr__` at every hop), so for the
-794 layers of an SDXL UNet it and a full candidate walk cost tens of milliseconds per step, as much as a whole
-step takes on a fast GPU. Paths are resolved here through the modules' own `_modules` dicts, parents once per
-call, and the candidate walk is kept per model until ComfyUI (re)loads or detaches it.
-"""
+A step swaps the chosen INT8 copies in and out by path. `get_submodule` costs about 25 us per SDXL layer path
+(`Module.__getattr__` at every hop): for an SDXL UNet's 794 layers it and a full candidate walk cost tens of ms a step,
+a whole step on a fast GPU. Paths resolve through the modules' `_modules` dicts, parents once per call, and the
+candidate walk is kept per model until ComfyUI (re)loads or detaches it."""
 
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ def canonical_name(path: str) -> str:
 
 
 def find_candidates(diffusion_model: torch.nn.Module) -> dict[str, tuple[str, str]]:
-    """{canonical name: (module path, kind)} for every leaf Linear/Conv2d the INT8 path supports.
-    Canonical names drop torch.compile's `_orig_mod` hops so they match state-dict names."""
+    """{canonical name: (module path, kind)} for every leaf Linear/Conv2d the INT8 path supports."""
     found = {}
     for path, module in diffusion_model.named_modules():
         kind = is_quantizable(module)
@@ -35,8 +32,7 @@ def find_candidates(diffusion_model: torch.nn.Module) -> dict[str, tuple[str, st
 
 
 def module_at(root: torch.nn.Module, path: str) -> torch.nn.Module:
-    """The module at dotted `path` under `root` ("" is root), as `get_submodule` finds it, at a twentieth of the
-    cost; AttributeError when there is none."""
+    """`root.get_submodule(path)` ("" is root) at a twentieth of the cost; AttributeError when there is none."""
     module = root
     if path:
         for atom in path.split("."):
@@ -49,7 +45,6 @@ def module_at(root: torch.nn.Module, path: str) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def swapped_modules(root: torch.nn.Module, replacements: dict[str, torch.nn.Module]) -> Iterator[None]:
-    """Put `replacements` (module path -> module) into `root` for the duration of the block."""
     originals = []
     parents: dict[str, torch.nn.Module] = {}
     try:
@@ -67,8 +62,7 @@ def swapped_modules(root: torch.nn.Module, replacements: dict[str, torch.nn.Modu
 
 
 class CandidateCache:
-    """`find_candidates` per diffusion model, walked once until `forget` (a load or detach may have replaced
-    modules: ComfyUI's object patches)."""
+    """`find_candidates` per model, walked once until `forget` (a load or detach may swap modules: object patches)."""
 
     def __init__(self) -> None:
         self._found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -80,7 +74,6 @@ class CandidateCache:
         return found
 
     def forget(self, root: torch.nn.Module | None = None) -> None:
-        """Walk `root` (every model when None) again at its next use."""
         if root is None:
             self._found.clear()
         else:

@@ -1,10 +1,6 @@
-"""INT8 replacements for ComfyUI's Linear and Conv2d layers.
-
-They keep the state-dict names `weight` (int8, per-output-channel symmetric) and `bias`, derive from
-ComfyUI's cast-weight op base so ModelPatcher treats them like its own layers, and implement
-`convert_weight` / `set_weight`: a LoRA patch is applied to the dequantized weight in fp32 and the result
-is requantized with a fresh per-row scale (a fixed scale would clip rows the LoRA makes larger).
-"""
+"""INT8 replacements for ComfyUI's Linear and Conv2d, keeping the state-dict names `weight` (int8, per output channel,
+symmetric) and `bias`; the cast-weight op base makes ModelPatcher treat them as its own. LoRA (`convert_weight` /
+`set_weight`) patches the dequantized fp32 weight, requantized per row afresh: a fixed scale would clip grown rows."""
 
 from __future__ import annotations
 
@@ -35,10 +31,8 @@ from .core_layers import (
 
 
 def effective_weight_and_bias(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias a float layer computes with right now, LoRA included (also where ComfyUI applies the
-    LoRA per forward: low-VRAM `weight_function`, dynamic-VRAM `weight_lowvram_function`). Not through
-    `comfy.ops.cast_bias_weight`: older releases do not know the dynamic-VRAM patch, and newer ones skip it for a
-    streamed layer cast to the CPU."""
+    """A float layer's weight and bias, per-forward LoRA included (`weight_function`, `weight_lowvram_function`). Not
+    via `cast_bias_weight`: old releases lack dynamic VRAM's patch; new ones skip it for streamed CPU casts."""
     if patches_in_forward(module):
         weight = patched_parameter(module, "weight", module.weight).float()
         bias = patched_parameter(module, "bias", module.bias)
@@ -47,9 +41,7 @@ def effective_weight_and_bias(module: torch.nn.Module) -> tuple[torch.Tensor, to
 
 
 def weight_and_bias_on(device: torch.device | None, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`effective_weight_and_bias(module)` moved to `device` (None: left where they are). One layer's float weight
-    at a time: a model ComfyUI keeps in system memory (dynamic VRAM) is quantized on the GPU that computes with it,
-    without a second float copy of the whole model there."""
+    """`effective_weight_and_bias` on `device` (None: as is), a layer at a time: no float model copy on the GPU."""
     weight, bias = effective_weight_and_bias(module)
     if device is None:
         return weight, bias
@@ -60,9 +52,8 @@ COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def held_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype an INT8 layer holds its bias in and computes with for a float layer stored in `dtype`: that
-    dtype when the kernels compute in it, else float32 (fp8 storage: ComfyUI computes it in a wider dtype, and
-    Triton cannot load fp8 below sm_89)."""
+    """The bias and compute dtype of an INT8 layer for a float layer stored in `dtype`: `dtype` where the kernels
+    compute in it, else float32 (ComfyUI computes fp8 storage in a wider dtype; Triton cannot load fp8 below sm_89)."""
     return dtype if dtype in COMPUTE_DTYPES else torch.float32
 
 
@@ -70,8 +61,7 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
     """Shared state: int8 `weight`, float32 `weight_scale` [out], float `bias`, and the compute dtype."""
 
     def _own_patch_lists(self) -> None:
-        # CastWeightBiasOp's empty weight_function/bias_function are class attributes, which dynamo before
-        # PyTorch 2.5 cannot read (a graph break in every INT8 layer): each layer holds lists of its own.
+        # Dynamo in PyTorch < 2.5 cannot read CastWeightBiasOp's class-level patch lists: a graph break per INT8 layer.
         for name in ("weight_function", "bias_function"):
             if name not in self.__dict__:
                 setattr(self, name, [])
@@ -83,8 +73,7 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
 
     def _init_from_quantized(self, q_weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                              qmax: int, compute_dtype: torch.dtype) -> None:
-        """Take already-quantized tensors (a checkpoint's, or the float weight's just quantized): int8 `q_weight`,
-        float32 `scale` [out]; `bias` is held as given (a checkpoint's may be the file's own pages)."""
+        """Hold int8 `q_weight`, float32 `scale` [out] and `bias` as given (a checkpoint's may be its file's pages)."""
         self._own_patch_lists()
         self.qmax = qmax
         self.compute_dtype = held_dtype(compute_dtype)
@@ -98,16 +87,14 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         self.prepare()
 
     def _record_own_dtypes(self) -> None:
-        # ComfyUI 0.38 records every layer's tensor dtypes when it builds a model (`<name>_comfy_model_dtype`,
-        # `archive_model_dtypes`) and sizes and casts what dynamic VRAM streams by them: a layer that became INT8
-        # after that (Load Diffusion Model (INT8) turns the built layer itself) would be streamed as float.
+        # ComfyUI 0.38 records layers' tensor dtypes at build (`<name>_comfy_model_dtype`, `archive_model_dtypes`) and
+        # streams dynamic VRAM by them: a layer made INT8 afterwards (Load Diffusion Model (INT8)) streams as float.
         for name, tensor in (*self._parameters.items(), *self._buffers.items()):
             if tensor is not None and f"{name}_comfy_model_dtype" in self.__dict__:
                 self.__dict__[f"{name}_comfy_model_dtype"] = tensor.dtype
 
     def __setattr__(self, name: str, value) -> None:
-        # ModelPatcher restores a backed-up weight with setattr; the original int8 tensor belongs with the
-        # original scale, not with the fresh one a LoRA requantization left behind.
+        # ModelPatcher restores a backed-up weight by setattr: it goes with the base scale, not a LoRA requantization's.
         if name == "weight" and not self.__dict__.get("_initializing", True) and not self.__dict__.get(
                 "_in_set_weight", False):
             self._buffers["weight_scale"] = self.base_weight_scale.to(self._buffers["weight_scale"].device)
@@ -122,10 +109,9 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
             self.__dict__["_assigning_scale"] = False
 
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
-        # ComfyUI 0.38's dynamic VRAM restores its buffer backups with `register_buffer` (`set_attr_buffer`), after
-        # the weights, and backs the buffers up only after a force-load's `set_weight` has requantized: the scale
-        # it puts back can be the requantized weight's, beside the original weight. The scale changes only with its
-        # weight (set_weight, a weight restore); a write from outside may move or cast it, never change it.
+        # ComfyUI 0.38's dynamic VRAM restores buffers via `register_buffer` after the weights, from backups taken
+        # after a force-load's `set_weight` requantized: that scale is stale beside the restored original weight. The
+        # scale changes only with its weight; a write from outside may move or cast it, never change it.
         current = self._buffers.get("weight_scale") if name == "weight_scale" else None
         restoring = not self.__dict__.get("_initializing", True) and not self.__dict__.get("_assigning_scale", False)
         if current is not None and restoring and tensor is not None:
@@ -138,9 +124,7 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         return self.weight_scale.to(like.device, torch.float32).view(-1, *([1] * (like.ndim - 1)))
 
     def convert_weight(self, weight: torch.Tensor, inplace: bool = False, **kwargs) -> torch.Tensor:
-        """ModelPatcher hands us the stored weight, usually cast to float: return it in real units (float). Dynamic
-        VRAM force-loads small layers with the int8 weight itself and `inplace=True`, which no int8 tensor can
-        take: that one gets a float copy."""
+        """Stored weight in real float units; int8 (dynamic VRAM's force-load with `inplace=True`) gets a float copy."""
         if not weight.is_floating_point():
             weight, inplace = weight.to(torch.float32), True
         if inplace:
@@ -154,8 +138,7 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
             q_weight, scale = quantize_weight_per_channel(weight.float(), self.qmax)
             return dequantize_weight(q_weight, scale, weight.dtype)
         if inplace_update:
-            # The backup of an in-place update is copied back in place, which keeps the scale buffer:
-            # requantize into the base scale so the restore stays consistent (rows may clip).
+            # The backup is restored in place, keeping the scale: requantize into the base scale (rows may clip).
             scale = self.base_weight_scale.to(weight.device)
             view = scale.view(-1, *([1] * (weight.ndim - 1)))
             q_weight = torch.clamp(torch.round(weight.float() / view), -self.qmax, self.qmax).to(torch.int8)
@@ -177,14 +160,13 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
         return weight * self._scale_view(weight)
 
     def _float_weight_for_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ComfyUI left LoRA (or weight wrappers) on this layer to apply per forward, in whichever form the running
-        ComfyUI uses (see `comfy_contracts.patched_parameter`): each gets the weight in the units it expects."""
+        """Weight and bias with the per-forward LoRA / wrappers ComfyUI left (`patched_parameter`), in their units."""
         weight = patched_parameter(self, "weight", self.weight.to(x.device), self._real_units)
         bias = patched_parameter(self, "bias", None if self.bias is None else self.bias.to(x.device))
         return weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
 
     def prepare(self) -> None:
-        """Build the kernels' derived forms of the weight now, on its device (none is built inside a call)."""
+        """Build the kernels' derived forms of the weight on its device; none is built inside a call."""
         raise NotImplementedError
 
     def _needs_float_path(self) -> bool:
@@ -192,20 +174,15 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
 
     def _quantized_args(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.weight.device != x.device:
-            # A loaded INT8 layer ComfyUI keeps offloaded: stream its int8 bytes for this call, as ComfyUI streams
-            # its own offloaded layers (it pins their memory, so the copy does not wait for the host). Keeping a
-            # device copy would hold VRAM that ComfyUI counts as free.
+            # An offloaded loaded INT8 layer: stream its int8 bytes per call as ComfyUI streams its own offloaded layers
+            # (pinned, so the copy does not wait for the host); a device copy would hold VRAM ComfyUI counts as free.
             return tuple(None if t is None else t.to(x.device, non_blocking=True)
                          for t in (self.weight, self.weight_scale, self.bias))
         return self.weight, self.weight_scale, self.bias
 
     def _run_quantized(self, x: torch.Tensor, kernel, **options) -> torch.Tensor:
-        """`kernel(x, q_weight, w_scale, bias, **options)` on this layer's int8 weight.
-
-        A loaded INT8 layer that ComfyUI 0.38 streams under dynamic VRAM holds a VBAR slot (`_v`): ComfyUI copies
-        its int8 bytes into the slot (ahead of the block on models that prefetch) and keeps them there across
-        steps while the slot stays resident, so they are read from there through ComfyUI's own cast in their
-        stored dtype; copying them from system memory here would move them a second time."""
+        """`kernel(x, q_weight, w_scale, bias, **options)` on the int8 weight: under ComfyUI 0.38's dynamic VRAM from
+        its VBAR slot (`_v`, resident across steps) via ComfyUI's own cast, not again from RAM."""
         if not uses_vbar_cast(self):
             return kernel(x, *self._quantized_args(x), **options)
         weight, bias, stream = comfy.ops.cast_bias_weight(
@@ -218,9 +195,8 @@ class _Int8Layer(torch.nn.Module, comfy.ops.CastWeightBiasOp):
 
 
 class Int8Linear(_Int8Layer):
-    # ComfyUI's fused `comfy.ops.linear_input_act` (0.38) feeds a weight that is not its own QuantizedTensor to an
-    # fp16-accumulate GEMM through `cast_bias_weight` (int8 values without their scale) unless the layer asks for
-    # full-precision matmul; then it calls the layer, which runs its INT8 kernels.
+    # ComfyUI 0.38's fused `comfy.ops.linear_input_act` runs a non-QuantizedTensor weight in an fp16-accumulate GEMM via
+    # `cast_bias_weight` (int8 values, no scale) unless the layer asks for full-precision mm; then it calls the layer.
     _full_precision_mm = True
     # Its place among sibling Linears that share one quantized input in eager mode (`shared_inputs`), or None.
     shared_input: SharedInput | None = None
@@ -250,8 +226,7 @@ class Int8Linear(_Int8Layer):
 
     @classmethod
     def from_core(cls, module: torch.nn.Module, qmax: int | None = None) -> Int8Linear:
-        """From a Linear ComfyUI core loaded from a quantized checkpoint (see `core_layers`): an int8_tensorwise
-        layer keeps its int8 values and scale, any other is quantized from its real-valued weight."""
+        """From a core Linear (`core_layers`): int8_tensorwise keeps its int8 values and scale, others requantize."""
         qmax = qmax or weight_qmax(module.weight.device)
         compute_dtype = core_compute_dtype(module)
         parts = int8_parts_of_core_linear(module, qmax)
@@ -313,32 +288,26 @@ class Int8Conv2d(_Int8Layer):
 
 
 def int8_module_bytes(module: torch.nn.Module) -> int:
-    """Bytes an INT8 layer holds: its int8 weight, scales and bias copy."""
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def refresh_int8_weights(root: torch.nn.Module) -> None:
-    """Rebuild the kernels' derived forms of every INT8 layer under `root` whose weight is off the CPU, and
-    build those of weights that have none yet (moved to their device since they were prepared).
-
-    ComfyUI restores and hook-patches weights with `param.data.copy_()`, which no version counter sees, and off
-    the CPU the kernels' weight cache does not checksum weights (that would wait for the device on every
-    call). Call this after ComfyUI may have written weights that way; on the CPU the checksum notices them."""
+    """Rebuild the derived forms of every INT8 layer under `root` whose weight is off the CPU, and build missing ones
+    (moved since `prepare`). ComfyUI writes them by `.data.copy_()` (restores, hook patches), which no version counter
+    sees, and off the CPU the weight cache skips checksums (they would wait for the device every call)."""
     for module in root.modules():
         if isinstance(module, _Int8Layer):
             if module.weight.device.type != "cpu":
                 weight_changed(module.weight)
-            module.prepare()  # a weight moved to another device since has no derived forms there yet
+            module.prepare()  # a weight moved to another device lacks derived forms there
 
 
-# Where ComfyUI may have rewritten weights in place (`.data.copy_()`): after loading (patches, restores), before
-# each sampling run (hook backups restored at the last cleanup) and after applying hooks.
+# Where ComfyUI may rewrite weights by `.data.copy_()`: on load, as each run starts (hook backups), after hooks.
 _WEIGHT_WRITE_CALLBACKS = ("ON_LOAD", "ON_PRE_RUN", "ON_APPLY_HOOKS")
 
 
 def refresh_after_weight_writes(patcher, key: str) -> None:
-    """Have `patcher` (and its clones) refresh its INT8 layers' derived forms wherever ComfyUI may have written or
-    moved their weights."""
+    """Have `patcher` and its clones refresh their INT8 layers wherever ComfyUI may write or move their weights."""
     import comfy.patcher_extension
 
     def refresh(patcher, *args, **kwargs) -> None:
@@ -350,9 +319,7 @@ def refresh_after_weight_writes(patcher, key: str) -> None:
 
 def int8_layer_like(module: torch.nn.Module, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
                     qmax: int | None = None) -> Int8Linear | Int8Conv2d:
-    """The INT8 layer of float layer `module`'s kind ('linear' / 'conv') and geometry holding `weight` / `bias`
-    (its live weights, or others: the ones a checkpoint saves), computing in the dtype `module` holds its weight in;
-    `qmax` as for the layers (default: the weight width of the device `weight` is on)."""
+    """An INT8 layer of `module`'s kind and geometry holding `weight` / `bias`, in `module`'s weight dtype."""
     with torch.inference_mode(False), torch.no_grad():
         if kind == "linear":
             layer = Int8Linear(weight, bias, qmax)
@@ -363,8 +330,7 @@ def int8_layer_like(module: torch.nn.Module, kind: str, weight: torch.Tensor, bi
 
 
 def is_quantizable(module: torch.nn.Module) -> str | None:
-    """'linear' / 'conv' when `module` is an ordinary float layer the INT8 path supports, or a Linear ComfyUI core
-    loaded from a quantized checkpoint in a format the INT8 path can take ('linear'), else None."""
+    """'linear' / 'conv' for a supported float layer or ('linear') a core Linear in a format INT8 takes, else None."""
     kind = layer_kind(module)
     if kind is None:
         fmt = core_linear_format(module)

@@ -10,10 +10,8 @@ from .cache import report_generation
 from .picture import node_picture
 from .settings import ENABLE, QuantizeSettings, settings_from_widgets
 
-MSE_TOOLTIP = (
-    "The largest normalized output error, mean((y_int8 - y)^2) / mean(y^2), a {kind} layer may have in INT8. "
-    "0 keeps every {kind} layer float, 1 accepts any error."
-)
+MSE_TOOLTIP = ("The largest normalized output error, mean((y_int8 - y)^2) / mean(y^2), a {kind} layer may have in "
+               "INT8. 0 keeps every {kind} layer float, 1 accepts any error.")
 WIDGETS = ("bits", "quantize_conv", "quantize_linear", "conv_mse_threshold", "linear_mse_threshold",
            "compute_density_threshold")
 
@@ -46,8 +44,7 @@ class Int8AccelQuantize(io.ComfyNode):
                     "Lower it on CPUs with VNNI (0-100): the speed gate still drops the layers that lose.")),
             ],
             outputs=[
-                io.Model.Output(display_name="model",
-                                tooltip="The model with INT8 layers (swapped in while it runs)."),
+                io.Model.Output(display_name="model", tooltip="The model with INT8 layers (swapped in while it runs)."),
                 io.String.Output(display_name="report", tooltip=(
                     "Markdown for Preview as Text: a summary line and one row per candidate layer with the gate "
                     "that decided. Shown from the run after calibration.")),

@@ -1,16 +1,12 @@
 """INT8 layers that a MODEL owns: calibration's chosen layers enter the clone as ComfyUI object patches.
 
-Once a decision exists for a run (in memory or on disk), each chosen layer becomes an `Int8Linear` / `Int8Conv2d`
-(the layers Load Diffusion Model (INT8) builds), quantized from the true original float weight, and goes into the
-clone with `add_object_patch("diffusion_model.<path>", layer)` and a fresh `patches_uuid`. ComfyUI's own
-`patch_model` / `partially_load` put it in the tree and `unpatch_model` takes it out again, so the float layer is
-not in the tree while that clone is patched: ComfyUI loads, counts, offloads (low VRAM), streams (dynamic VRAM),
-partially unloads the INT8 layers and merges LoRA into them through their `convert_weight` / `set_weight`.
-
-ComfyUI plans its loads with `model_size()`, which a clone takes over from the model it was cloned from (the
-float model's size). The patcher of an INT8 MODEL is given a subclass of its own class whose `model_size()` is the
-float model's size with each INT8 object patch in place of the float layer it replaces (computed, never stored).
-"""
+With a decision (memory or disk), each chosen layer becomes an `Int8Linear` / `Int8Conv2d` as Load Diffusion Model
+(INT8) builds them, quantized from the true original float weight, and enters the clone by `add_object_patch` as
+`diffusion_model.<path>` with a fresh `patches_uuid`. ComfyUI's `patch_model` / `partially_load` / `unpatch_model` put
+it in and out of the tree, so ComfyUI loads, counts, offloads (low VRAM), streams (dynamic VRAM), partially unloads and
+LoRA-merges (`convert_weight` / `set_weight`) the INT8 layers, the float ones out of the tree. ComfyUI plans loads with
+`model_size()`, which a clone takes over from its source (the float size): the patcher gets a subclass whose
+`model_size()` counts each INT8 object patch in place of its float layer (computed, never stored)."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ PREFIX = "diffusion_model."
 
 
 def float_candidates(patcher) -> dict[str, tuple[str, str]]:
-    """{canonical name: (module path, kind)} of the float layers the INT8 path supports, also those an object patch
-    (this pack's INT8 layers) holds out of the tree right now."""
+    """`find_candidates`, also of the float layers an object patch (this pack's INT8 layers) holds out of the tree."""
     root = patcher.model.diffusion_model
     found = find_candidates(root)
     for key, module in patcher.object_patches_backup.items():
@@ -46,8 +41,7 @@ def float_layer(patcher, path: str) -> torch.nn.Module:
 
 
 def original_tensor(patcher, path: str, param: str) -> torch.Tensor | None:
-    """The float layer's `param` ('weight' / 'bias') as the model file has it: ComfyUI's backup where a load merged a
-    LoRA into the layer in the tree, else the layer's own tensor (a layer out of the tree is never patched)."""
+    """`param` as in the model file: ComfyUI's backup where a load merged LoRA into it in the tree (held out: never)."""
     module = float_layer(patcher, path)
     tensor = getattr(module, param, None)
     if tensor is None:
@@ -59,8 +53,7 @@ def original_tensor(patcher, path: str, param: str) -> torch.Tensor | None:
 
 
 def float_parameters(patcher) -> list[tuple[str, torch.Tensor]]:
-    """(state-dict key, tensor) of the diffusion model's float parameters, the float layers an object patch holds
-    out of the tree included in place of what is there (what the weight fingerprint reads)."""
+    """The float parameters the weight fingerprint reads: held-out float layers in place of what is in the tree."""
     out = []
     for path, module in patcher.model.diffusion_model.named_modules():
         original = patcher.object_patches_backup.get(PREFIX + path, module) if path else module
@@ -73,8 +66,7 @@ def float_parameters(patcher) -> list[tuple[str, torch.Tensor]]:
 
 
 def build_owned_layer(patcher, path: str, kind: str) -> _Int8Layer:
-    """The INT8 layer for float layer `path`, from its original weights, for the weight width of the patcher's load
-    device, kept on its offload device (ComfyUI moves it when it loads the model)."""
+    """INT8 layer from `path`'s original weights at the load device's qmax, on the offload device (ComfyUI moves it)."""
     module = float_layer(patcher, path)
     qmax = weight_qmax(torch.device(patcher.load_device))
     with torch.inference_mode(False), torch.no_grad():
@@ -93,14 +85,12 @@ def build_owned_layer(patcher, path: str, kind: str) -> _Int8Layer:
 
 
 def owned_paths(patcher) -> dict[str, _Int8Layer]:
-    """{module path: INT8 layer} of the INT8 object patches `patcher` carries."""
     return {key[len(PREFIX):]: layer for key, layer in patcher.object_patches.items()
             if key.startswith(PREFIX) and isinstance(layer, _Int8Layer)}
 
 
 def set_owned_layers(patcher, layers: dict[str, _Int8Layer]) -> bool:
-    """Make `layers` ({module path: INT8 layer}) the INT8 object patches of `patcher`; a change gets a fresh
-    `patches_uuid` (ComfyUI then unpatches the model and loads it again). Whether anything changed."""
+    """Make `layers` the INT8 object patches; whether they changed (then a fresh `patches_uuid`: ComfyUI reloads)."""
     current = owned_paths(patcher)
     if current.keys() == layers.keys() and all(current[path] is layers[path] for path in layers):
         return False
@@ -115,7 +105,6 @@ def set_owned_layers(patcher, layers: dict[str, _Int8Layer]) -> bool:
 
 
 def tree_holds(base_model, layers: dict[str, _Int8Layer]) -> bool:
-    """Whether ComfyUI has these object patches in the model's tree now."""
     root = base_model.diffusion_model
     try:
         return bool(layers) and all(module_at(root, path) is layer for path, layer in layers.items())
@@ -124,8 +113,7 @@ def tree_holds(base_model, layers: dict[str, _Int8Layer]) -> bool:
 
 
 class SizedByItsLayers:
-    """Mixed into the class of an INT8 MODEL's patcher: `model_size()` counts its INT8 object patches in place of
-    the float layers they replace."""
+    """Mixed into an INT8 MODEL's patcher class: `model_size()` counts INT8 object patches in place of float layers."""
 
     int8_float_size: int = 0  # the float model's size, as ComfyUI reported it for the model given to the node
 

@@ -1,6 +1,5 @@
-"""The decision picture: each layer's normalized error against its compute density on log axes, coloured by
-its decision, with the density and error thresholds drawn; an IMAGE tensor ComfyUI's Preview Image shows.
-Drawn with Pillow, which ComfyUI ships."""
+"""The decision picture for ComfyUI's Preview Image (an IMAGE tensor): each layer's normalized error against its compute
+density on log axes, coloured by its decision, thresholds drawn. Drawn with Pillow, which ComfyUI ships."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ SIZE = (768, 512)  # width, height: fixed, whatever the model
 PLOT = (96, 74, SIZE[0] - 24, SIZE[1] - 92)  # left, top, right, bottom of the axes box
 UNMEASURED_Y = SIZE[1] - 58  # the strip below the axes for layers whose error was not measured
 BACKGROUND, INK, GRID = (255, 255, 255), (30, 30, 30), (225, 225, 225)
-# (decision, legend label, colour), drawn in this order so INT8 points stay on top. A float decision's label is
-# the gate that decided it, as the report's "decided by" column names it.
+# (decision, legend label, colour), drawn in order so INT8 points stay on top; float labels name the deciding gate.
 DECISIONS = (
     (FLOAT_BY_GATE["kind"], "kind", (170, 170, 170)),
     (FLOAT_BY_GATE["density"], "density", (120, 144, 200)),
@@ -32,10 +30,6 @@ THRESHOLD_COLOUR = (90, 90, 90)
 MIN_ERROR = 1e-12
 
 
-def _font(size: int) -> ImageFont.ImageFont:
-    return ImageFont.load_default(size)
-
-
 def _log_range(values: list[float]) -> tuple[float, float]:
     low, high = math.log10(min(values)), math.log10(max(values))
     if high - low < 1:
@@ -45,7 +39,6 @@ def _log_range(values: list[float]) -> tuple[float, float]:
 
 
 def _ticks(log_low: float, log_high: float) -> list[float]:
-    """Tick values at powers of ten, and at 2x and 5x of them when the range spans few decades."""
     steps = (1, 2, 5) if log_high - log_low < 2.5 else (1,)
     return [step * 10.0**exponent for exponent in range(math.floor(log_low), math.ceil(log_high) + 1)
             for step in steps if log_low <= math.log10(step * 10.0**exponent) <= log_high]
@@ -82,7 +75,7 @@ def message_picture(text: str) -> torch.Tensor:
     """A picture of the same size holding only `text` (before the first calibration, or nothing to quantize)."""
     image = Image.new("RGB", SIZE, BACKGROUND)
     draw = ImageDraw.Draw(image)
-    font = _font(18)
+    font = ImageFont.load_default(18)
     lines = _wrap(text, font, SIZE[0] - 80, draw, max_lines=8)
     for i, line in enumerate(lines):
         draw.text((40, SIZE[1] // 2 - 14 * len(lines) + 28 * i), line, fill=INK, font=font)
@@ -93,7 +86,7 @@ def decision_picture(result: CalibrationResult, settings: QuantizeSettings, titl
     """The decision of `result` (made with `settings`) as an IMAGE tensor of SIZE, `title` on top."""
     image = Image.new("RGB", SIZE, BACKGROUND)
     draw = ImageDraw.Draw(image)
-    small, label = _font(12), _font(14)
+    small, label = ImageFont.load_default(12), ImageFont.load_default(14)
     left, top, right, bottom = PLOT
 
     densities = [max(layer.density, MIN_ERROR) for layer in result.layers] or [1.0]
@@ -166,8 +159,7 @@ def decision_picture(result: CalibrationResult, settings: QuantizeSettings, titl
 
 
 def node_picture(plan, report: str) -> torch.Tensor:
-    """The Quantize node's picture: the decision its report describes, or the report's own text when there is
-    none yet (calibration pending, or nothing to quantize). `plan` is the node's Int8Plan (None: no plan)."""
+    """The node's picture: the decision its report describes, else the report's text; `plan`: its Int8Plan or None."""
     from .report import summary_line
 
     result = getattr(plan, "shown_result", None)

@@ -1,15 +1,10 @@
-"""The shared INT8 core: turns a ModelPatcher into one whose Linear/Conv2d layers run in INT8 where that
-is accurate and worth it, decided by calibration on the first sampling call's real inputs.
+"""INT8 core: layers run in INT8 where calibration on the first call's real inputs finds that accurate and worth it.
 
-The clone carries two wrappers. OUTER_SAMPLE fingerprints the original weights and the LoRA patches the run will
-use and, before ComfyUI loads the model, looks the decision up (in memory, then on disk) for that fingerprint, the
-settings and the latent shape: when there is one, the chosen layers become INT8 layers the MODEL owns, object
-patches of its patcher (owned.py) that ComfyUI loads, counts, offloads and LoRA-patches as its own. APPLY_MODEL, on
-the first call of a key without a decision, runs one float forward in which every candidate layer also computes
-its INT8 output on the same input and measures its error; the decision is cached in memory and on disk. The rest of
-that first run (and runs that cannot own their layers, `why_not_owned`) swap INT8 copies built from the live
-weights into the model for each call; from the next run on, the MODEL owns them.
-"""
+OUTER_SAMPLE fingerprints the original weights and the run's LoRA patches and, before ComfyUI loads the model, looks up
+the decision (memory, then disk) for fingerprint, settings and latent shape; with one, the chosen layers become object
+patches the MODEL owns (owned.py). APPLY_MODEL, on a key's first call without a decision, runs one float forward in
+which every candidate layer also computes and measures its INT8 output on the same input; the decision is cached in
+memory and on disk. The rest of that run, and `why_not_owned` runs, swap INT8 copies of the live weights in per call."""
 
 from __future__ import annotations
 
@@ -87,16 +82,7 @@ log = logging.getLogger("int8_accel.int8")
 WRAPPER_KEY = "int8_accel_quantize"
 
 
-def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
-    return getattr(module, "_orig_mod", module)
-
-
-def parameter_bytes(root: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in root.parameters())
-
-
 def float_weight_bytes(patcher) -> dict[str, int]:
-    """{layer name: bytes of its float weight} for every candidate layer of `patcher`'s model."""
     out = {}
     for name, (path, _) in float_candidates(patcher).items():
         weight = float_layer(patcher, path).weight
@@ -105,9 +91,8 @@ def float_weight_bytes(patcher) -> dict[str, int]:
 
 
 class ModelCopies:
-    """The INT8 copies one model's calls swap in where its MODEL does not own its INT8 layers (see `Int8Plan`). Under
-    ComfyUI 0.38's MultiGPU every device computes with its own deep clone of the model, from its own thread, so each
-    of those models has its own set, built once on its device and never touched by another thread."""
+    """Per-call INT8 copies of one model whose MODEL does not own its INT8 layers. Under ComfyUI 0.38's MultiGPU each
+    device computes with its own deep clone from its own thread: each has its own set, touched by no other thread."""
 
     def __init__(self) -> None:
         self.modules: dict[str, torch.nn.Module] = {}
@@ -132,15 +117,12 @@ def _on(tensor: torch.Tensor, device: torch.device | str) -> bool:
 
 
 def in_multigpu_call(transformer_options: dict | None) -> bool:
-    """Whether this model call is one of several that ComfyUI 0.38's `samplers._calc_cond_batch_multigpu` runs at
-    once, one per device, from the threads of its `MultiGPUThreadPool` (it sets `multigpu_thread_device`)."""
+    """Whether ComfyUI 0.38's `samplers._calc_cond_batch_multigpu` (it sets this key) runs the call on a pool thread."""
     return bool(transformer_options) and transformer_options.get("multigpu_thread_device") is not None
 
 
 def why_not_owned(patcher, model_options: dict | None) -> str:
-    """Why a run of `patcher` swaps INT8 copies in per call instead of owning its INT8 layers ("" when it owns them):
-    MultiGPU's device clones would share one object patch between devices; a bypass-mode LoRA hooks the float
-    layers themselves."""
+    """Why a run swaps copies in per call: device clones would share an object patch; bypass LoRA hooks float layers."""
     if model_options and "multigpu_clones" in model_options:
         return "MultiGPU device clones"
     if getattr(patcher, "injections", None):
@@ -149,12 +131,8 @@ def why_not_owned(patcher, model_options: dict | None) -> str:
 
 
 class Int8Plan:
-    """Per-node state shared by the clone and everything cloned from it (MultiGPU's device clones included: their
-    wrappers are this plan's bound methods). Calibration results are shared; INT8 layers are per model.
-
-    A run whose decision is known before ComfyUI loads the model (OUTER_SAMPLE) owns its INT8 layers: they are
-    object patches of its patcher (owned.py). The run that calibrates, and the runs `why_not_owned` names, swap INT8
-    copies into the model for each call instead (not counted by ComfyUI: the float layers stay loaded beside them)."""
+    """Per-node state of the clone and all its clones (MultiGPU's too: the wrappers are its bound methods): calibration
+    results are shared, INT8 layers per model. Per-call copies sit uncounted by ComfyUI beside the float layers."""
 
     def __init__(self, settings: QuantizeSettings, node_id: str | None = None) -> None:
         self.settings = settings
@@ -172,15 +150,10 @@ class Int8Plan:
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> ModelCopies
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> {name: INT8 layer}
         self._installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> (key, {path: layer})
-        self._last_ran: dict[str, torch.nn.Module] = {}
+        self._modules: dict[str, torch.nn.Module] = {}  # {layer name: INT8 layer} of the model call that ran last
         self._calibration_lock = threading.Lock()  # one calibration per key, whichever device's thread comes first
         self._candidates = CandidateCache()
         self._weight_bytes: dict[str, int] = {}  # {layer name: bytes of its float weight}
-
-    @property
-    def _modules(self) -> dict[str, torch.nn.Module]:
-        """{layer name: INT8 layer} of the model call that ran last."""
-        return self._last_ran
 
     def copies_of(self, base_model) -> ModelCopies:
         copies = self._copies.get(base_model)
@@ -204,15 +177,13 @@ class Int8Plan:
         size_by_its_layers(patcher, patcher.model_size())
 
     def on_detach(self, patcher, unpatch_all: bool = True) -> None:
-        """ComfyUI unloaded the model: drop the per-call copies (rebuilt from the live weights when needed). The INT8
-        layers the MODEL owns stay its object patches: ComfyUI moved them off the device with the model.
-
-        Detaching without unpatching is not an unload: ComfyUI does it whenever a clone of this MODEL is garbage
-        collected (`ModelPatcher.__del__`) or replaced by another clone of the same model."""
+        """ComfyUI unloaded the model: drop the per-call copies (owned INT8 layers left the device with the model).
+        Detaching without unpatching is no unload: ComfyUI does it when a clone is garbage collected
+        (`ModelPatcher.__del__`) or replaced by another clone of the same model."""
         if not unpatch_all:
             return
         self.copies_of(patcher.model).release_all()
-        self._last_ran = {}
+        self._modules = {}
         self._candidates.forget()  # the unpatch restored ComfyUI's object patches, which may replace modules
 
     def fingerprint(self, patcher) -> str:
@@ -222,9 +193,8 @@ class Int8Plan:
         return self._fingerprints[state]
 
     def _bypass_fingerprint(self, base_model) -> str:
-        """The bypass-mode LoRA on the model's layers now, which no weight patch carries ('' when none). It comes as
-        one of the injections of the patcher that runs (`current_patcher`), so the layers are looked at once per
-        injected patcher and set of injections."""
+        """The bypass-mode LoRA on the model's layers, which no weight patch carries ('' when none). It comes as an
+        injection of the running `current_patcher`: layers are looked at once per injected patcher and injection set."""
         patcher = getattr(base_model, "current_patcher", None)
         injections = getattr(patcher, "injections", None)
         if not injections or not getattr(patcher, "is_injected", False):
@@ -253,8 +223,7 @@ class Int8Plan:
         return {layer.name: self._weight_bytes[layer.name] for layer in result.layers if layer.name in self._weight_bytes}
 
     def float_placement(self, result: CalibrationResult) -> str:
-        """Where the float weights of the INT8 layers are, said for the report: "" when off the computing device (the
-        MODEL owns its INT8 layers, on a GPU), else why they take memory where the model computes."""
+        """For the report: why the INT8 layers' float weights take memory where the model computes ("" when not)."""
         if self.not_owned_because:
             return f"float weights stay loaded beside per-call INT8 copies: {self.not_owned_because}"
         if result.kernel_backend not in LAUNCHING_KERNEL_BACKENDS:
@@ -263,8 +232,7 @@ class Int8Plan:
 
     # --- wrappers ----------------------------------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):
-        """Before ComfyUI loads the model (CFGGuider.outer_sample runs prepare_sampling inside this wrapper): a run
-        whose decision is known owns its INT8 layers as object patches; one that calibrates loads the float model."""
+        """Runs before ComfyUI loads the model (CFGGuider.outer_sample runs prepare_sampling inside this wrapper)."""
         guider = executor.class_obj
         patcher = guider.model_patcher
         previous = self._run_fingerprint
@@ -290,7 +258,6 @@ class Int8Plan:
         self._installed[patcher.model] = (key, layers)
 
     def _owned_layers(self, patcher, names: list[str]) -> dict[str, torch.nn.Module]:
-        """{module path: INT8 layer} for `names`, built once per model from its original weights."""
         built = self._owned.setdefault(patcher.model, {})
         candidates = float_candidates(patcher)
         qmax = weight_qmax(torch.device(patcher.load_device))
@@ -316,7 +283,7 @@ class Int8Plan:
         key, graph_timing, fused_quantizer = self._calibration_key(fingerprint + bypass, x, options)
         installed_key, owned = self._installed.get(base_model, (None, {}))
         if installed_key == key and tree_holds(base_model, owned):
-            self._last_ran = self._ran(owned)
+            self._modules = self._ran(owned)
             return executor(*args, **kwargs)
         result = self._known_result(key, base_model, fingerprint)
         if result is None:
@@ -330,7 +297,6 @@ class Int8Plan:
             return executor(*args, **kwargs)
 
     def _calibration_key(self, fingerprint: str, x: torch.Tensor, options: dict | None) -> tuple[str, bool, bool]:
-        """(key, graph timing, fused-quantizer timing) of a decision for a call on `x` (its shape, dtype, device)."""
         graph_timing = cuda_graph_timing_for(x.device, replays_cuda_graphs(options))
         fused_quantizer = graph_timing and fuses_linear_quantizer(options) and traces_linear_quantizer(x.device)
         return calibration_key(fingerprint, self.settings, x, graph_timing, fused_quantizer), graph_timing, fused_quantizer
@@ -354,14 +320,13 @@ class Int8Plan:
     # --- per-call INT8 copies, rebuilt whenever the live weights change ----------------------------------
     def _int8_modules(self, base_model, names: list[str], device: torch.device,
                       bypass: str = "") -> dict[str, torch.nn.Module]:
-        """{module path: INT8 copy} of the chosen layers, built from the live weights where missing for computing on
-        `device`, following the bypass-mode LoRA the float layer has (`bypass`: its fingerprint)."""
+        """{module path: INT8 copy} for `device` from the live weights, following the float layers' bypass LoRA."""
         root = self._fresh_module_cache(base_model)
         copies = self.copies_of(base_model)
         request = (tuple(names), device, bypass)
         last = copies.last_swap
         if last is not None and last[0] == request:
-            self._last_ran = self._ran(last[1])
+            self._modules = self._ran(last[1])
             return last[1]  # the same copies as the previous call
         candidates = self._candidates.get(root)
         out = {}
@@ -381,12 +346,11 @@ class Int8Plan:
             out[path] = layer
         assign_shared_inputs(root, out)
         copies.last_swap = (request, out)
-        self._last_ran = self._ran(out)
+        self._modules = self._ran(out)
         return out
 
     def _copy_for_device(self, float_module: torch.nn.Module, kind: str, device: torch.device) -> torch.nn.Module:
-        """The INT8 copy of a float layer, with the weight width of the kernel backend that computes on `device`, kept
-        on `device` (quantized there: a float weight in system memory moves there first, one layer at a time)."""
+        """Quantized on `device` at its backend's weight width (a system-memory float weight moves there per layer)."""
         layer = self._quantize_layer(float_module, kind, weight_qmax(device), device)
         if not _on(layer.weight, device):
             layer = layer.to(device, non_blocking=comfy.model_management.device_supports_non_blocking(device))
@@ -405,9 +369,8 @@ class Int8Plan:
     @staticmethod
     def _quantize_layer(module: torch.nn.Module, kind: str, qmax: int | None = None,
                         device: torch.device | None = None) -> torch.nn.Module:
-        """The INT8 copy of float layer `module`; `qmax` is the weight width of the device that computes with it
-        (default: the one its weight is on), `device` where a float layer's weight is quantized (default: where it
-        is; a layer core quantized converts where it is)."""
+        """`qmax`: the computing device's weight width (default: its weight's device); `device`: where a float weight is
+        quantized (default: where it is; a layer core quantized converts where it is)."""
         with torch.inference_mode(False), torch.no_grad():
             if kind == "conv":
                 return Int8Conv2d.from_float(module, qmax, device)
@@ -419,8 +382,7 @@ class Int8Plan:
     @staticmethod
     def _measurement(name: str, kind: str, module: torch.nn.Module, x: torch.Tensor,
                      output: torch.Tensor) -> LayerMeasurement:
-        """What calibration knows of a layer's call before deciding: its GEMM sizes, density and whether the kernel
-        backend serving `x`'s device would compute it in float (below its size floor)."""
+        """A layer call's GEMM sizes, density and whether `x`'s backend computes it in float (below its size floor)."""
         weight = module.weight
         if kind == "linear":
             k, n = weight.shape[1], weight.shape[0]
@@ -461,8 +423,7 @@ class Int8Plan:
                     layer = copies.modules.pop(name, None) or self._copy_for_device(module, kind, x.device)
                     int8_copy.append(layer)
                     memory["peak"] = max(memory["peak"], memory["kept"] + int8_module_bytes(layer))
-                    # A bypass-mode LoRA adds the same term to the float and the INT8 output: compare the layers'
-                    # own outputs (the copy's class forward leaves out the LoRA it follows).
+                    # A bypass LoRA adds one term to both outputs: compare the layers' own (the copy's forward skips it)
                     bypass = bypass_hook(module)
                     reference = output if bypass is None else bypass.original_forward(x)
                     if row.below_kernel_floor:  # this backend computes it in float: the INT8 arithmetic's error
@@ -482,8 +443,7 @@ class Int8Plan:
                                                                  plan=timing_plan(x.device, graph_timing))
                     return timings[signature]
 
-                # One layer at a time: a layer is quantized only when it reaches the error gate, and its INT8
-                # copy is kept only when it runs in INT8.
+                # One layer at a time: quantized only at the error gate, its copy kept only when it runs in INT8.
                 if decide(row, self.settings, measure_error, time_calls) == INT8:
                     copies.modules[name] = int8_copy[0]
                     memory["kept"] += int8_module_bytes(int8_copy[0])
@@ -515,7 +475,8 @@ class Int8Plan:
             # Return the INT8 output, so that the calibrating run gives the same result as every later run.
             output = self._swapped_and_guarded(executor, base_model, args, kwargs, output, result)
         result.seconds = time.perf_counter() - start
-        result.memory = {"model_float_bytes": parameter_bytes(root), "calibration_peak_int8_bytes": memory["peak"],
+        result.memory = {"model_float_bytes": sum(p.numel() * p.element_size() for p in root.parameters()),
+                         "calibration_peak_int8_bytes": memory["peak"],
                          "int8_bytes": sum(int8_module_bytes(module) for module in copies.modules.values())}
         self.calibration_runs += 1
         self.results[key] = result
@@ -525,8 +486,7 @@ class Int8Plan:
     def _swapped_and_guarded(self, executor, base_model, args, kwargs, float_output: torch.Tensor,
                              result: CalibrationResult) -> torch.Tensor:
         """The calibrating call's output with the chosen layers in INT8, after the whole-model guard (calibration.py)
-        returned layers to float while the whole-model error exceeded its limit; `result` records the error, the
-        FLOP share and what the guard did."""
+        returned layers to float while the model error exceeded its limit; `result` records error, FLOP share, guard."""
         output, result.model_error, result.int8_flop_fraction = self._measure_swapped(
             executor, base_model, args, kwargs, float_output, result)
         limit, before, returned = MODEL_ERROR_LIMIT, result.model_error, 0
@@ -551,8 +511,7 @@ class Int8Plan:
 
     def _measure_swapped(self, executor, base_model, args, kwargs, reference: torch.Tensor,
                          result: CalibrationResult) -> tuple[torch.Tensor, float, float]:
-        """Whole-model output error with the chosen layers in INT8, and their share of the model's FLOPs
-        (FlopCounterMode sees the float matmuls/convs/attention; the INT8 ops are opaque to it)."""
+        """Model error and INT8 FLOP share of the chosen layers (FlopCounterMode counts float ops, not INT8 ones)."""
         from torch.utils.flop_counter import FlopCounterMode
 
         replacements = self._int8_modules(base_model, result.chosen, args[0].device,
@@ -584,8 +543,7 @@ class Int8Plan:
 
 
 def int8_reference_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """What INT8 layer `layer` computes for `x` with the INT8 arithmetic itself (W8A8, the reference kernels), also
-    where the backend serving `x`'s device would compute the call in float (below its size floor)."""
+    """`layer`'s output by the W8A8 arithmetic itself (reference kernels), also below the backend's float size floor."""
     from ...kernels import reference
 
     weight, scale, bias = layer.weight.to(x.device), layer.weight_scale.to(x.device), layer.bias

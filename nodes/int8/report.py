@@ -1,8 +1,5 @@
-"""The human-readable calibration report the node returns and the log shows.
-
-It is markdown, since the page's Preview as Text renders markdown: a one-line summary first, a few detail
-paragraphs (blank lines between them: the page joins single line breaks), then the per-layer table as a markdown
-table whose columns are padded so the server log shows it aligned too."""
+"""The calibration report the node returns and the log shows, in markdown for Preview as Text: a summary line,
+paragraphs (blank lines between: the page joins single breaks), then the layer table, padded to align in the log too."""
 
 from __future__ import annotations
 
@@ -26,8 +23,8 @@ def int8_layer_speedup(result: CalibrationResult) -> float | None:
 
 
 def memory_part(result: CalibrationResult, float_placement: str | None, float_bytes: int | None) -> str:
-    """The summary's memory part. `float_placement`: "" when the INT8 layers' float weights stay in system memory,
-    else why they stay on the computing device (None: not known here); `float_bytes`: those float weights' bytes."""
+    """The summary's memory part. `float_placement`: "" when the INT8 layers' float weights stay in system memory, else
+    why they stay on the computing device (None: unknown); `float_bytes`: those float weights' bytes."""
     int8_mib = result.memory.get("int8_bytes", 0) / MIB
     if float_placement == "" and float_bytes is not None:
         return (f"VRAM -{(float_bytes / MIB - int8_mib):.1f} MiB (INT8 layers {int8_mib:.1f} MiB on the device, "
@@ -81,9 +78,8 @@ LAUNCHING_KERNEL_BACKENDS = ("triton", "cuda")
 
 
 def _launch_bound(result: CalibrationResult) -> bool:
-    """The speed gate timed GPU calls as launched from the host (not as CUDA graph replays), where an INT8 call's
-    extra kernel launches can cost more host time than a layer takes on a fast GPU (the H200 runs SDXL's
-    layers in 20-30 us and an INT8 call spent over 100 us launching its kernels)."""
+    """Whether GPU calls were timed as launched from the host, not as CUDA graph replays: an INT8 call's extra launches
+    can outlast a layer on a fast GPU (H200: SDXL's layers take 20-30 us, an INT8 call's launches over 100 us)."""
     return result.kernel_backend in LAUNCHING_KERNEL_BACKENDS and not result.cuda_graph_timing
 
 
@@ -99,8 +95,7 @@ def _launch_cost_part(result: CalibrationResult, timed: int, slower: int) -> str
 
 def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_bytes: dict[str, int],
                   from_cache: bool = False, float_placement: str | None = None) -> str:
-    """The report: summary line, detail paragraphs, per-layer markdown table (`weight_bytes`: float bytes per layer;
-    `float_placement`: see `memory_part`)."""
+    """Summary, details, layer table (`weight_bytes`: float bytes per layer; `float_placement`: see `memory_part`)."""
     chosen = [layer for layer in result.layers if layer.quantized]
     float_bytes = sum(weight_bytes.get(layer.name, 0) for layer in chosen)
     paragraphs = [summary_line(result, from_cache, float_placement, float_bytes), _details_line(result, settings)]
@@ -114,11 +109,10 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
     if result.model_guard:
         guard = result.model_guard
         now = "-" if result.model_error is None else f"{result.model_error:.2e}"
-        paragraphs.append(
-            f"whole-model guard: with every layer that passed its own gate in INT8 the model's output error was "
-            f"{guard['error_before']:.2e}, above its limit of {guard['limit']:.2e} (activation outliers "
-            f"do this); {guard['layers']} layers with the largest errors went back to "
-            f"float in {guard['rounds']} round(s), and the error is now {now}")
+        paragraphs.append("whole-model guard: with every layer that passed its own gate in INT8 the model's output "
+                          f"error was {guard['error_before']:.2e}, above its limit of {guard['limit']:.2e} (activation "
+                          f"outliers do this); {guard['layers']} layers with the largest errors went back to float in "
+                          f"{guard['rounds']} round(s), and the error is now {now}")
     timed = [layer for layer in result.layers if layer.int8_ms is not None]
     if timed:
         slower = sum(1 for layer in timed if decisive_gate(layer) == "speed" and not layer.quantized)
@@ -140,16 +134,14 @@ def format_report(result: CalibrationResult, settings: QuantizeSettings, weight_
         else:
             placed = (f"on-the-fly INT8 adds {mib['int8_bytes']:.1f} MiB of INT8 layers while the model is loaded "
                       f"({float_placement or 'float weights stay loaded'}; dropped when ComfyUI unloads the model)")
-        paragraphs.append(
-            f"memory: diffusion-model weights {mib['model_float_bytes']:.1f} MiB in float; {placed}; calibration "
-            f"added at most {mib['calibration_peak_int8_bytes']:.1f} MiB over the float model (one layer's copy at "
-            f"a time)")
+        paragraphs.append(f"memory: diffusion-model weights {mib['model_float_bytes']:.1f} MiB in float; {placed}; "
+                          f"calibration added at most {mib['calibration_peak_int8_bytes']:.1f} MiB over the float "
+                          "model (one layer's copy at a time)")
     if result.kernel_calls:
-        paragraphs.append(
-            f"kernels: {result.kernel_backend} kernel backend; in the checking step "
-            f"{result.kernel_calls.get('int8', 0)} INT8 layer calls ran the INT8 kernels and "
-            f"{result.kernel_calls.get('float', 0)} ran in float with the "
-            f"INT8-rounded weights (shapes too small for INT8 to pay on this device)")
+        paragraphs.append(f"kernels: {result.kernel_backend} kernel backend; in the checking step "
+                          f"{result.kernel_calls.get('int8', 0)} INT8 layer calls ran the INT8 kernels and "
+                          f"{result.kernel_calls.get('float', 0)} ran in float with the INT8-rounded weights (shapes "
+                          "too small for INT8 to pay on this device)")
     core_line = _core_formats_line(result)
     if core_line:
         paragraphs.append(core_line)
@@ -173,9 +165,7 @@ def _replays_part(result: CalibrationResult, timed: list[LayerMeasurement]) -> s
 
 
 def _timing_conditions(timed: list[LayerMeasurement]) -> str:
-    """How the timings went where they took more than the first pairs: layers timed longer for being close, layers
-    re-measured after other work on the machine disturbed them, and layers whose decision rests on disturbed
-    samples."""
+    """How the timings went beyond the first pairs: layers timed longer as close, re-measured, or left noisy."""
     conditions = Counter(layer.timing_conditions for layer in timed)
     close, remeasured, noisy = conditions[CLOSE], conditions[REMEASURED], conditions[NOISY]
     parts = []

@@ -1,13 +1,8 @@
-"""How long this process's threads have waited for a CPU while runnable: the Linux scheduler's per-thread run
-delay (`/proc/self/task/<tid>/schedstat`, second field, in nanoseconds), plus the time the machine's virtual CPUs
-waited for a physical one (steal, `/proc/stat`), where it runs in a virtual machine.
-
-A timed call whose threads waited for a CPU was slowed by other work on the machine, not by its own cost: one
-preempted worker stalls every other at the next barrier of a parallel region, so a call of several regions (an
-INT8 call) pays it several times over. Steal is that same wait one level down (another guest of the host ran on
-the core), which the guest's run delay does not count; the kernel reports it in clock ticks (10 ms on most
-systems), so a reading says that some was stolen rather than how much.
-"""
+"""How long this process's threads waited for a CPU while runnable: the Linux per-thread run delay (second field of
+`/proc/self/task/<tid>/schedstat`, ns), plus, in a virtual machine, CPU steal (`/proc/stat`). Such a wait is other
+work's cost, not the call's: one preempted worker stalls every other at a parallel region's next barrier, so an INT8
+call (several regions) pays it several times over. Steal is that wait one level down (another guest ran on the core),
+which run delay misses; it comes in clock ticks (often 10 ms), so a reading says that some was stolen, not how much."""
 
 from __future__ import annotations
 
@@ -19,10 +14,9 @@ _STEAL_FIELD = 8  # of the first line: "cpu user nice system idle iowait irq sof
 
 
 class RunQueueWait:
-    """A counter, used as a context manager: `seconds()` is the run delay this process's threads accumulated since
-    it was opened (a thread that ends keeps what it added; one that starts later counts in full) plus the steal of
-    the machine's CPUs since then, or None where the OS does not say (not Linux, no schedstat). Each thread's file
-    stays open while it is, so a reading costs a few microseconds a thread."""
+    """A context manager: `seconds()` is the run delay this process's threads accumulated since it was entered (an ended
+    thread keeps what it added; a later one counts in full) plus the CPUs' steal since then, or None where the OS does
+    not say (not Linux, no schedstat). Each thread's file stays open, so a reading costs a few microseconds a thread."""
 
     def __init__(self) -> None:
         self.available = False

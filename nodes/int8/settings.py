@@ -55,7 +55,6 @@ class QuantizeSettings:
 def settings_from_widgets(bits: int = 8, quantize_conv: str = "enable", quantize_linear: str = "enable",
                           conv_mse_threshold: float = 0.1, linear_mse_threshold: float = 0.1,
                           compute_density_threshold: int = 300) -> QuantizeSettings:
-    """The node's widget values (enable/disable strings included) as validated settings."""
     for name, value in (("quantize_conv", quantize_conv), ("quantize_linear", quantize_linear)):
         if value not in ENABLE:
             raise ValueError(f"{name} must be 'enable' or 'disable', not {value!r}")

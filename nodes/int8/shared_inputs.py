@@ -1,7 +1,6 @@
 """Which INT8 Linears share one quantized input (`kernels.shared_rows`): the Q, K and V projections of ComfyUI's
-CrossAttention (SD1.x/SD2.x/SDXL and the other UNets' transformers), whose forward calls `to_q(x)`,
-`to_k(context or x)` and `to_v(value or context or x)` in that order and changes no tensor between them. In
-self-attention all three read x: one quantizer launch instead of three."""
+CrossAttention (SD1.x/SD2.x/SDXL and other UNets), whose forward calls `to_q(x)`, `to_k(context or x)` and
+`to_v(value or context or x)` in that order, changing no tensor between them: in self-attention one quantizer launch."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ def _runs_cross_attention_forward(module: torch.nn.Module) -> bool:
 
 
 def assign_shared_inputs(root: torch.nn.Module, replacements: dict[str, torch.nn.Module]) -> None:
-    """Give the INT8 Linears among `replacements` (module path -> INT8 copy put into `root`) their places in the
-    groups of siblings that read one input; every other INT8 Linear among them shares nothing."""
+    """Place the INT8 Linears of `replacements` (path -> INT8 copy in `root`) in sibling groups reading one input."""
     groups: dict[str, dict[str, Int8Linear]] = {}
     for path, layer in replacements.items():
         if not isinstance(layer, Int8Linear):

@@ -1,22 +1,12 @@
-"""The speed gate of calibration: a layer runs in INT8 only where its INT8 call is measured faster than its float
-call, on the real input, on the device that runs it.
-
-Layers with the same call signature (kind, input shape and dtype, weight shape, conv geometry) share one
-measurement, so a UNet's many same-shaped layers are timed once per calibration. CUDA times several back-to-back
-calls between CUDA events after a warm-up, as sampling queues them, and takes the median of its samples
-(`timing_plan`). The CPU times one synchronized call per sample with the host clock and takes the fastest sample
-of each side: other work on the machine only ever makes a sample slower, and on a shared CPU it makes an INT8 call
-(several parallel regions, each stalled by a preempted worker) far slower than a float one. While the slower
-side's fastest sample was itself disturbed (this process's threads waited for a CPU during it, `run_queue`), more
-pairs are timed, within a bound, and so are a few more while the two fastest samples are close (a slowdown the OS
-does not report, such as a busy neighbour of this virtual machine on the same physical core, can tip a close
-decision and often passes within a few more pairs); the timing says whether it took more pairs for being close or
-for being disturbed, or stayed noisy (disturbed when the bound ran out).
-Where the model's calls will be replayed from CUDA graphs (Compile Model in a mode that replays them), CUDA times
-replays of one captured graph of each side's back-to-back calls instead: a replay launches nothing from the host,
-so an INT8 call's extra launches cost only their GPU time there, as they will while sampling (`timing_plan`).
-`INT8_ACCEL_SPEED_GATE=0` turns the gate off (the other gates alone decide), for reproducible layer choices.
-"""
+"""The speed gate of calibration: a layer runs in INT8 only where its INT8 call is measured faster than its float call,
+on the real input, on the device that runs it. CUDA takes the median sample (`timing_plan`); the CPU takes each side's
+fastest: other work only ever makes a sample slower, and on a shared CPU it makes an INT8 call (several parallel
+regions, each stalled by a preempted worker) far slower than a float one. While the slower side's fastest sample is
+disturbed (its threads waited for a CPU, `run_queue`), more pairs are timed within a bound, and a few more while the
+two fastest are close: a slowdown the OS does not report, such as a busy neighbour on the same physical core, can tip a
+close decision and often passes within a few pairs. Under Compile Model's CUDA graphs, CUDA times replays of one graph
+per side: a replay launches nothing from the host, so INT8's extra launches cost only GPU time, as while sampling.
+`INT8_ACCEL_SPEED_GATE=0` turns the gate off (the other gates alone decide), for reproducible layer choices."""
 
 from __future__ import annotations
 
@@ -38,29 +28,22 @@ from .run_queue import RunQueueWait
 log = logging.getLogger("int8_accel.int8")
 
 REPETITIONS = 3
-# On CUDA: calls of each kind run before timing (autotuning, allocator growth), and calls timed back to back per
-# sample, as sampling launches them (one synchronized call would charge INT8's extra launches to it in full).
+# CUDA: calls of each side ahead of timing (autotuning, allocator growth), and calls timed back to back per sample, as
+# sampling launches them (one synchronized call would charge INT8's extra launches to it in full).
 CUDA_WARMUP_CALLS = 2
 CUDA_CALLS_PER_SAMPLE = 5
-# On the CPU, while the slower side's fastest sample is disturbed: more pairs, for at most this long per call
-# signature and this long in all per calibration (a short spell of other work passes; a load that outlasts these
-# leaves the timings noisy rather than the calibration slow).
+# CPU re-measuring bounds per call signature and per calibration: a longer load leaves timings noisy, not slow.
 CPU_REMEASURE_SECONDS = 0.5
 CPU_REMEASURE_SECONDS_PER_CALIBRATION = 2.0
-# A sample is disturbed when this process's threads waited for a CPU for more than this share of it (on a quiet
-# machine they wait not at all).
+# A sample is disturbed when this process's threads waited for a CPU for over this share of it (none, when quiet).
 DISTURBED_SHARE = 0.05
-# Where the OS does not say how long the threads waited: the fastest sample counts once another sample of the
-# same side comes within this share of it.
+# Where the OS does not report waits: the fastest sample counts once another of its side is within this share of it.
 CONFIRMED_SHARE = 0.1
-# A decision whose slower side's fastest sample is within this share of the faster side's is close: more pairs are
-# timed, up to CLOSE_PAIRS in all (within the re-measuring bounds).
+# Close: the slower side's fastest sample within this share of the faster side's; then up to CLOSE_PAIRS pairs in all.
 CLOSE_SHARE = 0.25
 CLOSE_PAIRS = 2 * REPETITIONS
 
-# How a timing's samples went (`Timing.conditions`): settled by the first pairs, more pairs because the two sides
-# came close (and none was disturbed), more pairs because other work disturbed them, still disturbed when the
-# bound ran out; "" where the plan does not check.
+# `Timing.conditions`: the first pairs settled it, more pairs for close or disturbed samples, disturbed to the bound.
 SETTLED, CLOSE, REMEASURED, NOISY = "settled", "close", "re-measured", "noisy"
 
 
@@ -73,8 +56,7 @@ def _synchronize(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Clock:
-    """`start()` marks a moment; `seconds_since(mark)` waits for the device's queued work and returns the seconds
-    from the mark to its end."""
+    """`start()` marks a moment; `seconds_since(mark)`: seconds from it to the end of the device's queued work."""
     start: Callable[[], object]
     seconds_since: Callable[[object], float]
 
@@ -94,8 +76,7 @@ def wall_clock(device: torch.device) -> Clock:
 
 
 def cuda_event_clock(device: torch.device) -> Clock:
-    """Device time between two CUDA events on the current stream: launch overhead that overlaps earlier work is
-    not counted, as it is not while sampling."""
+    """Device time between CUDA events: launch overhead that overlaps queued work is not counted, as while sampling."""
 
     def start() -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
@@ -115,9 +96,7 @@ Replay = Callable[[Callable[[], object], int], Callable[[], object]]
 
 
 def cuda_graph_replay(device: torch.device) -> Replay:
-    """What turns a call into a replay of one CUDA graph of `calls` back-to-back calls of it, captured on `device`
-    (after one call on the capturing stream, as capture asks). The graph and its outputs live as long as the
-    returned replay."""
+    """Turns a call into a replay of one CUDA graph of `calls` calls of it; graph and outputs live with the replay."""
 
     def capture(call: Callable[[], object], calls: int) -> Callable[[], object]:
         stream = torch.cuda.Stream(device)
@@ -140,8 +119,7 @@ def cuda_graph_replay(device: torch.device) -> Replay:
 
 @dataclass(frozen=True)
 class Remeasuring:
-    """Pairs added after the first ones while the slower side's fastest sample was disturbed (`run_queue` says how
-    long this process's threads waited for a CPU), for at most `max_seconds`."""
+    """More pairs while the slower side's fastest sample is disturbed (per `run_queue`), for at most `max_seconds`."""
     run_queue: Callable[[], RunQueueWait]
     max_seconds: float
 
@@ -164,9 +142,7 @@ class TimingPlan:
 
 
 def timing_plan(device: torch.device, cuda_graphs: bool = False) -> TimingPlan:
-    """CUDA: events around several back-to-back calls after a warm-up, the median sample, the calls replayed from
-    one CUDA graph per side where `cuda_graphs` (the model's calls will be); elsewhere one synchronized call per
-    sample and the fastest sample, re-measured while disturbed (callers have run both calls once)."""
+    """CUDA: median of warmed-up back-to-back calls, graph replays if `cuda_graphs`; else the fastest, re-measured."""
     if device.type == "cuda":
         return TimingPlan(cuda_event_clock(device), CUDA_WARMUP_CALLS, CUDA_CALLS_PER_SAMPLE,
                           replay=cuda_graph_replay(device) if cuda_graphs else None)
@@ -187,8 +163,7 @@ class Sample:
 
 
 def _sample(call: Callable[[], object], plan: TimingPlan, run_queue: RunQueueWait | None) -> Sample:
-    """One sample, in seconds per call: `calls_per_sample` calls of `call`, or where the plan replays graphs one
-    call of `call`, which replays that many."""
+    """One sample: `calls_per_sample` calls of `call`, or where the plan replays graphs one call that replays them."""
     waited = None if run_queue is None else run_queue.seconds()
     if plan.replay is None:
         seconds = seconds_per_call(call, plan.clock, plan.calls_per_sample)
@@ -201,8 +176,7 @@ def _sample(call: Callable[[], object], plan: TimingPlan, run_queue: RunQueueWai
 
 
 def fastest_is_undisturbed(samples: Sequence[Sample]) -> bool:
-    """Whether a side's fastest sample measured the call and not other work: its threads never waited for a CPU
-    or, where the OS does not say, another sample confirms it."""
+    """Whether a side's fastest sample is the call's own: no CPU wait or, where the OS does not say, another agrees."""
     fastest = min(samples, key=lambda sample: sample.seconds)
     if fastest.disturbed is not None:
         return not fastest.disturbed
@@ -210,16 +184,14 @@ def fastest_is_undisturbed(samples: Sequence[Sample]) -> bool:
 
 
 def decision_is_settled(float_samples: Sequence[Sample], int8_samples: Sequence[Sample]) -> bool:
-    """Whether the samples decide which call is faster: the slower side's fastest sample is undisturbed. The
-    faster side's may be disturbed, as disturbance only ever adds time."""
+    """Whether the slower side's fastest is undisturbed: disturbance only adds time, so the faster's need not be."""
     float_fastest = min(sample.seconds for sample in float_samples)
     int8_fastest = min(sample.seconds for sample in int8_samples)
     return fastest_is_undisturbed(float_samples if float_fastest > int8_fastest else int8_samples)
 
 
 def decision_is_close(float_samples: Sequence[Sample], int8_samples: Sequence[Sample]) -> bool:
-    """Whether the two fastest samples are within CLOSE_SHARE of each other and fewer than CLOSE_PAIRS pairs were
-    taken: a decision a slowdown the OS does not report could have tipped, which more pairs may still turn."""
+    """Close: fastest samples within CLOSE_SHARE and under CLOSE_PAIRS pairs (an unreported slowdown could tip them)."""
     if min(len(float_samples), len(int8_samples)) >= CLOSE_PAIRS:
         return False
     fastest = sorted(min(sample.seconds for sample in samples) for samples in (float_samples, int8_samples))
@@ -240,17 +212,15 @@ class Timing:
 
 
 def fused_quantizer_linear_call(layer: torch.nn.Module, x: torch.Tensor) -> Callable[[], object]:
-    """An INT8 Linear `layer` on input `x` as it runs where torch.compile traces its activation quantizer and
-    inductor fuses it into the op that produces `x` (a LayerNorm, the GEGLU gate, attention's output reshape): its
-    GEMM on rows quantized once here. What the fusion adds to that kernel (the rows' amax and the int8 writes, in
-    a pass over `x` it makes anyway) is left out."""
+    """An INT8 Linear `layer` on `x` where inductor fuses its activation quantizer into the op producing `x` (LayerNorm,
+    GEGLU gate, attention's output reshape): its GEMM on rows quantized here, without the fusion's amax and writes."""
     q, row_scale = quantize_rows_symmetric(x.reshape(-1, x.shape[-1]))
     weight, scale, bias = layer.weight, layer.weight_scale, layer.bias
     return lambda: int8_linear_on_rows(q, row_scale, weight, scale, bias, x.dtype)
 
 
 def call_signature(kind: str, module: torch.nn.Module, x: torch.Tensor) -> tuple:
-    """What a layer call's speed depends on; layers with equal signatures get one measurement."""
+    """What a layer call's speed depends on; equal signatures (a UNet's many same-shaped layers) share a measurement."""
     geometry = ()
     if kind == "conv":
         geometry = (tuple(module.stride), tuple(module.padding), tuple(module.dilation), module.groups)
@@ -262,10 +232,9 @@ def call_signature(kind: str, module: torch.nn.Module, x: torch.Tensor) -> tuple
 def time_float_and_int8(float_call: Callable[[], object], int8_call: Callable[[], object],
                         device: torch.device, repetitions: int = REPETITIONS,
                         plan: TimingPlan | None = None, budget: RemeasureBudget | None = None) -> Timing:
-    """Seconds per call of each, from `repetitions` pairs of samples, sampled interleaved so that a slow spell of
-    the machine hits both alike, with `plan` (default: `timing_plan(device)`); more pairs where the plan re-measures
-    a disturbed timing, within its bound and what is left of `budget` (the calibration's; None: no limit but the
-    plan's). Both calls must have run once before (warm caches, prepacked weights, compiled kernels)."""
+    """Seconds per call of each from `repetitions` interleaved pairs (a slow spell hits both alike), by `plan` (default
+    `timing_plan(device)`) within `budget`; both calls must have run once (warm caches, prepacked weights, compiled
+    kernels)."""
     plan = plan or timing_plan(torch.device(device))
     calls = (float_call, int8_call)
     for call in calls:
@@ -309,9 +278,7 @@ _logged_replay_failure = False
 
 def _replays(calls: tuple[Callable[[], object], ...], plan: TimingPlan
              ) -> tuple[tuple[Callable[[], object], ...], TimingPlan]:
-    """The calls as the plan samples them: their replays where the plan replays graphs and both captures succeed,
-    else the calls themselves under the plan without replays (a call that cannot be captured, such as one copying
-    its weight from system memory, is timed as it is made)."""
+    """The calls' replays if both capture, else the calls, replay off (one copying its weight from host cannot be)."""
     global _logged_replay_failure
     if plan.replay is None:
         return calls, plan
