@@ -143,6 +143,38 @@ def test_lora_at_two_strengths_before_and_after_the_node_and_the_plain_model_sta
     assert torch.equal(sample(out, "sd15", steps=2), int8_plain)
 
 
+
+@pytest.mark.parametrize("lora_before", [False, True], ids=["plain", "lora-before-the-node"])
+def test_the_next_prompt_owns_the_calibrating_runs_int8_copies_and_holds_one_int8_set(comfy_root, quant,
+                                                                                       lora_before):
+    """The prompt after the calibrating one takes that run's per-call INT8 copies as the MODEL's layers as they are
+    (no second quantization) and drops the rest: one INT8 set in memory. A layer a LoRA patches was copied with the
+    LoRA merged: its layer is quantized afresh from the original weight, and ComfyUI merges the LoRA into it."""
+    from comfyui_int8_accel.nodes.int8 import int8_plan
+    from comfyui_int8_accel.nodes.int8.owned import PREFIX, owned_paths
+
+    base = build_tiny_model("sd15")
+    if lora_before:
+        base = apply_lora(base, make_lora(base, seed=5))
+    float_out = sample(base, "sd15", steps=2)
+    out, _ = quant.apply_int8(base, quant.settings_from_widgets(**ALL_INT8))
+    plan = int8_plan(out)
+    first = sample(out, "sd15", steps=2)  # calibrates; its second step runs per-call INT8 copies
+    copies = {id(layer) for layer in plan._copies[out.model].modules.values()}
+    assert len(copies) == len(plan.last_result.chosen)
+    with record_calls() as calls:
+        again = sample(out, "sd15", steps=2)
+    assert sum(n for (_, _, path), n in calls.items() if path == "int8") > 0
+    patched = {key[len(PREFIX):].rsplit(".", 1)[0] for key in out.patches}
+    owned = owned_paths(out)
+    assert {path for path, layer in owned.items() if id(layer) not in copies} == patched & owned.keys()
+    assert out.model not in plan._copies  # the copies no layer took were dropped
+    if lora_before:
+        assert patched & owned.keys()  # two roundings of W0 + LoRA, each as close to float:
+        assert rel(again, float_out) < 1.5 * rel(first, float_out) + 0.01
+    else:
+        assert torch.equal(again, first)
+
 BOOKKEEPING = re.compile(r"model_loaded_weight_memory\s*[-+]?=|\.size\s*=(?!=)|prev_comfy_cast_weights\s*=(?!=)|"
                          r"comfy_patched_weights\s*=(?!=)|lowvram_patch_counter\s*[-+]?=|model_lowvram\s*=(?!=)|"
                          r"\bbackup\[[^\]]+\]\s*=(?!=)|bias_function\s*=(?!=)|LowVramPatch\(")

@@ -233,8 +233,6 @@ def calibration_key(fingerprint: str, settings: QuantizeSettings, x: torch.Tenso
     parts = [CACHE_FORMAT_VERSION, fingerprint, settings.key(), list(x.shape[2:]), str(x.dtype),
              x.device.type, kernel_backend_for(x.device), linear_gemm_for(x.device), conv_layout_for(x.device),
              weight_bits(x.device), speed_gate_enabled()]
-    if cuda_graph_timing:
-        parts.append("cuda-graph timing")
-    if fused_quantizer_timing:
-        parts.append("fused quantizer timing")
+    flags = (("cuda-graph timing", cuda_graph_timing), ("fused quantizer timing", fused_quantizer_timing))
+    parts += [flag for flag, on in flags if on]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]

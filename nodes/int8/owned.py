@@ -65,12 +65,25 @@ def float_parameters(patcher) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def build_owned_layer(patcher, path: str, kind: str) -> _Int8Layer:
-    """INT8 layer from `path`'s original weights at the load device's qmax, on the offload device (ComfyUI moves it)."""
+def quantizes_the_original(patcher, path: str, layer: _Int8Layer | None, qmax: int) -> bool:
+    """Whether `layer`, a per-call copy of `path` made under `patcher`'s patches, holds its original weights at width
+    `qmax`: no weight or hook patch touches the layer and no bypass LoRA mirrors onto it."""
+    if layer is None or layer.qmax != qmax or "forward" in layer.__dict__:
+        return False
+    keys = (f"{PREFIX}{path}.weight", f"{PREFIX}{path}.bias")
+    patch_sets = (patcher.patches, *getattr(patcher, "hook_patches", {}).values())
+    return not any(key in patches for patches in patch_sets for key in keys)
+
+
+def build_owned_layer(patcher, path: str, kind: str, quantized: _Int8Layer | None = None) -> _Int8Layer:
+    """INT8 layer from `path`'s original weights at the load device's qmax (or `quantized`, made from them), on the
+    offload device (ComfyUI moves it)."""
     module = float_layer(patcher, path)
     qmax = weight_qmax(torch.device(patcher.load_device))
     with torch.inference_mode(False), torch.no_grad():
-        if core_linear_format(module) is not None:
+        if quantized is not None:
+            layer = quantized
+        elif core_linear_format(module) is not None:
             layer = Int8Linear.from_core(module, qmax)
         else:
             layer = int8_layer_like(module, kind, original_tensor(patcher, path, "weight").detach(),

@@ -61,6 +61,7 @@ from .owned import (
     float_candidates,
     float_layer,
     float_parameters,
+    quantizes_the_original,
     set_owned_layers,
     size_by_its_layers,
     tree_holds,
@@ -80,14 +81,6 @@ from .speed import (
 
 log = logging.getLogger("int8_accel.int8")
 WRAPPER_KEY = "int8_accel_quantize"
-
-
-def float_weight_bytes(patcher) -> dict[str, int]:
-    out = {}
-    for name, (path, _) in float_candidates(patcher).items():
-        weight = float_layer(patcher, path).weight
-        out[name] = weight.numel() * weight.element_size()
-    return out
 
 
 class ModelCopies:
@@ -173,7 +166,8 @@ class Int8Plan:
         patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, WRAPPER_KEY, self.apply_model)
         patcher.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_DETACH, WRAPPER_KEY, self.on_detach)
         refresh_after_weight_writes(patcher, WRAPPER_KEY)
-        self._weight_bytes = float_weight_bytes(patcher)
+        self._weight_bytes = {name: (weight := float_layer(patcher, path).weight).numel() * weight.element_size()
+                              for name, (path, _) in float_candidates(patcher).items()}
         size_by_its_layers(patcher, patcher.model_size())
 
     def on_detach(self, patcher, unpatch_all: bool = True) -> None:
@@ -258,9 +252,13 @@ class Int8Plan:
         self._installed[patcher.model] = (key, layers)
 
     def _owned_layers(self, patcher, names: list[str]) -> dict[str, torch.nn.Module]:
+        """The MODEL's INT8 layers for `names`: a calibrating run's per-call copies of original weights become them
+        as they are (not quantized again); the other copies go, so one INT8 set stays in memory."""
         built = self._owned.setdefault(patcher.model, {})
         candidates = float_candidates(patcher)
         qmax = weight_qmax(torch.device(patcher.load_device))
+        copies = self._copies.pop(patcher.model, ModelCopies())
+        same_patches = copies.state == (id(patcher.model.diffusion_model), patcher.patches_uuid)
         layers = {}
         for name in names:
             if name not in candidates:
@@ -268,8 +266,11 @@ class Int8Plan:
             path, kind = candidates[name]
             layer = built.get(name)
             if layer is None or layer.qmax != qmax:
-                layer = built[name] = build_owned_layer(patcher, path, kind)
+                copy = copies.modules.pop(name, None) if same_patches else None
+                original = copy if quantizes_the_original(patcher, path, copy, qmax) else None
+                layer = built[name] = build_owned_layer(patcher, path, kind, original)
             layers[path] = layer
+        copies.release_all()
         return layers
 
     def apply_model(self, executor, *args, **kwargs):

@@ -183,17 +183,11 @@ def _timing_conditions(timed: list[LayerMeasurement]) -> str:
 
 def _core_formats_line(result: CalibrationResult) -> str:
     """How many layers of each core-quantized format there were, and what became of them."""
-    counts: dict[str, list[int]] = {}
-    for layer in result.layers:
-        if layer.source:
-            seen = counts.setdefault(layer.source.split(":")[0], [0, 0])
-            seen[0] += 1
-            seen[1] += layer.quantized
-    parts = [f"{fmt} {total} ({int8} in INT8)" for fmt, (total, int8) in counts.items()]
-    left: dict[str, int] = {}
-    for why in result.left_to_core.values():
-        left[why.split(":")[0]] = left.get(why.split(":")[0], 0) + 1
-    parts += [f"{fmt} {total} (left as ComfyUI runs them: no INT8 path for this format)" for fmt, total in left.items()]
+    total = Counter(layer.source.split(":")[0] for layer in result.layers if layer.source)
+    int8 = Counter(layer.source.split(":")[0] for layer in result.layers if layer.source and layer.quantized)
+    left = Counter(why.split(":")[0] for why in result.left_to_core.values())
+    parts = [f"{fmt} {count} ({int8[fmt]} in INT8)" for fmt, count in total.items()]
+    parts += [f"{fmt} {count} (left as ComfyUI runs them: no INT8 path for this format)" for fmt, count in left.items()]
     return "core-quantized layers: " + ", ".join(parts) if parts else ""
 
 
