@@ -89,12 +89,10 @@ def main() -> None:
         for label in trees:
             steps = [run[variant]["step_s"] for run in runs[label]]
             firsts = [run[variant]["first_s"] for run in runs[label]]
-            seconds = [run[variant].get("second_s") for run in runs[label]]
-            rss = [run[variant].get("rss_mib") for run in runs[label]]
             rows.append([variant, label, f"{1e3 * statistics.median(steps):.0f}",
                          " / ".join(f"{1e3 * s:.0f}" for s in steps), f"{statistics.median(firsts):.2f}",
-                         " / ".join("-" if s is None else f"{s:.2f}" for s in seconds),
-                         " / ".join("-" if r is None else f"{r:.0f}" for r in rss)])
+                         " / ".join(f"{run[variant]['second_s']:.2f}" for run in runs[label]),
+                         " / ".join(f"{run[variant]['rss_mib']:.0f}" for run in runs[label])])
     notes = [f"{datetime.date.today()}, {cpu_line()}; {args.size}x{args.size}, {args.steps} euler steps, CFG batch "
              f"of 2, every eligible layer in INT8 (speed gate off); {args.rounds} rounds, the trees alternating, "
              "each run a fresh process with an empty calibration cache.",

@@ -143,7 +143,6 @@ def test_lora_at_two_strengths_before_and_after_the_node_and_the_plain_model_sta
     assert torch.equal(sample(out, "sd15", steps=2), int8_plain)
 
 
-
 @pytest.mark.parametrize("lora_before", [False, True], ids=["plain", "lora-before-the-node"])
 def test_the_next_prompt_owns_the_calibrating_runs_int8_copies_and_holds_one_int8_set(comfy_root, quant,
                                                                                        lora_before):
@@ -174,6 +173,7 @@ def test_the_next_prompt_owns_the_calibrating_runs_int8_copies_and_holds_one_int
         assert rel(again, float_out) < 1.5 * rel(first, float_out) + 0.01
     else:
         assert torch.equal(again, first)
+
 
 BOOKKEEPING = re.compile(r"model_loaded_weight_memory\s*[-+]?=|\.size\s*=(?!=)|prev_comfy_cast_weights\s*=(?!=)|"
                          r"comfy_patched_weights\s*=(?!=)|lowvram_patch_counter\s*[-+]?=|model_lowvram\s*=(?!=)|"
